@@ -1,0 +1,1 @@
+"""Attention over paged KV: the torch reference here, CUDA kernels beside it."""

@@ -1,0 +1,97 @@
+"""Torch reference for paged attention: the CPU path and the CUDA kernels' oracle.
+
+K/V are read only through block tables and written only through the slot
+mapping; no contiguous per-sequence cache exists anywhere. The gather indices
+are built once per step (`ReferencePlan`) and reused by every layer.
+
+Cache layout per layer: `[num_blocks, block_size, num_kv_heads, head_dim]`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvtierd.kernels.paged_batch import PagedBatch
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Scatters new K/V `[num_tokens, kv_heads, head_dim]` into their slots."""
+    kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, k)
+    v_cache.view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, v)
+
+
+def _token_slots(block_table: torch.Tensor, num_tokens: int, block_size: int) -> torch.Tensor:
+    """Cache slots of a sequence's first `num_tokens` tokens, from its block table row(s)."""
+    offsets = torch.arange(block_size, dtype=torch.int64, device=block_table.device)
+    slots = block_table.to(torch.int64).unsqueeze(-1) * block_size + offsets  # [..., max_blocks, block_size]
+    return slots.flatten(-2)[..., :num_tokens]
+
+
+@dataclass(slots=True)
+class ReferencePlan:
+    batch: PagedBatch
+    decode_slots: torch.Tensor  # [num_decodes, max_decode_ctx] int64
+    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_decode_ctx] bool, True where attended
+    prefill_slots: list[torch.Tensor]  # per prefill sequence: [context_len] int64
+
+    @classmethod
+    def build(cls, batch: PagedBatch) -> "ReferencePlan":
+        nd = batch.num_decodes
+        bs = batch.block_size
+        decode_ctx = max(batch.context_lens_host[:nd], default=0)
+        decode_slots = _token_slots(batch.block_tables[:nd], decode_ctx, bs)
+        positions = torch.arange(decode_ctx, device=batch.context_lens.device)
+        decode_mask = (positions < batch.context_lens[:nd, None]).view(nd, 1, 1, decode_ctx)
+        prefill_slots = [
+            _token_slots(batch.block_tables[i], batch.context_lens_host[i], bs) for i in range(nd, batch.num_seqs)
+        ]
+        return cls(batch, decode_slots, decode_mask, prefill_slots)
+
+
+def paged_attention(
+    plan: ReferencePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Causal attention of `q [num_tokens, heads, head_dim]` over each sequence's pages.
+
+    Query token j of a sequence with q_len new tokens and context_len cached
+    tokens sits at position context_len - q_len + j and sees positions <= its own.
+    """
+    batch = plan.batch
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    k_flat = k_cache.view(-1, kv_heads, head_dim)
+    v_flat = v_cache.view(-1, kv_heads, head_dim)
+    out = torch.empty_like(q)
+
+    nd = batch.num_decodes
+    if nd:
+        # One query per sequence: a padded batched matmul over the gathered pages.
+        qd = q[:nd].view(nd, kv_heads, group, head_dim)
+        kd = k_flat[plan.decode_slots].transpose(1, 2)  # [nd, kv_heads, ctx, head_dim]
+        vd = v_flat[plan.decode_slots].transpose(1, 2)
+        scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale  # [nd, kv_heads, group, ctx]
+        scores = scores.masked_fill(~plan.decode_mask, float("-inf"))
+        out[:nd] = torch.matmul(torch.softmax(scores, dim=-1), vd).view(nd, num_heads, head_dim)
+
+    start = nd  # decodes hold exactly one token each
+    for i, slots in enumerate(plan.prefill_slots, start=nd):
+        q_len, ctx = batch.query_lens_host[i], batch.context_lens_host[i]
+        qi = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
+        ki = k_flat[slots].transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+        vi = v_flat[slots].transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+        if q_len == ctx:
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+        else:
+            # Bottom-right aligned causal mask: the new tokens follow the cached prefix.
+            rows = torch.arange(q_len, device=q.device).unsqueeze(1) + (ctx - q_len)
+            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+        out[start : start + q_len] = oi.squeeze(0).transpose(0, 1)
+        start += q_len
+    assert start == num_tokens, "query_start_loc disagrees with q"
+    return out

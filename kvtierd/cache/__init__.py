@@ -1,0 +1,1 @@
+"""Page accounting for the KV cache: block pool, page tables, allocation."""

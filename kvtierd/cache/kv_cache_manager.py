@@ -1,0 +1,82 @@
+"""Allocates pages to sequences: the one place that edits page tables.
+
+    page table of a sequence with block_size 4 and 6 tokens:
+
+        page 7: [t0 t1 t2 t3]   full
+        page 2: [t4 t5 .  .]    partial: the next 2 tokens land here
+
+Pages are shared between sequences by reference count (`fork`). A shared page
+is read-only: before a sequence writes into a shared partial page, it gets a
+private copy (copy-on-write); the copy is returned in `Allocation.copies` and
+the caller performs it on the device before the step writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvtierd.cache.block_pool import BlockPool
+from kvtierd.cache.page_table import PageTable
+
+
+@dataclass(slots=True)
+class Allocation:
+    slots: list[int]  # one cache slot per new token, in order
+    copies: list[tuple[int, int]]  # (src page, dst page) to copy before writing
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks)
+        self._tables: dict[str, PageTable] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def capacity_tokens(self) -> int:
+        return self.pool.num_blocks * self.block_size
+
+    def table(self, seq_id: str) -> PageTable:
+        return self._tables[seq_id]
+
+    def block_ids(self, seq_id: str) -> list[int]:
+        return self._tables[seq_id].block_ids
+
+    def allocate_slots(self, seq_id: str, num_new_tokens: int) -> Allocation | None:
+        """Assigns slots to the next tokens of `seq_id`, or None when pages run out (nothing changes then)."""
+        table = self._tables.get(seq_id)
+        if table is None:
+            table = self._tables[seq_id] = PageTable(self.block_size)
+        cow = table.last_block_is_partial and self.pool.ref_count(table.block_ids[-1]) > 1
+        num_new = table.num_new_blocks(num_new_tokens) + (1 if cow and num_new_tokens else 0)
+        fresh = self.pool.allocate(num_new)
+        if fresh is None:
+            if not table.block_ids:
+                del self._tables[seq_id]
+            return None
+        copies = []
+        if cow and num_new_tokens:
+            shared = table.block_ids[-1]
+            private = fresh.pop(0)
+            copies.append((shared, private))
+            table.block_ids[-1] = private
+            self.pool.release([shared])
+        table.block_ids.extend(fresh)
+        slots = table.slots(table.num_tokens, num_new_tokens)
+        table.num_tokens += num_new_tokens
+        return Allocation(slots=slots, copies=copies)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """Makes `child_id` share every page of `parent_id` (e.g. for n > 1 samples)."""
+        parent = self._tables[parent_id]
+        assert child_id not in self._tables, f"sequence {child_id} already has pages"
+        self.pool.share(parent.block_ids)
+        self._tables[child_id] = PageTable(self.block_size, list(parent.block_ids), parent.num_tokens)
+
+    def free(self, seq_id: str) -> None:
+        """Returns a sequence's pages; a no-op for a sequence that holds none."""
+        table = self._tables.pop(seq_id, None)
+        if table is not None:
+            self.pool.release(table.block_ids)

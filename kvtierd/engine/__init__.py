@@ -1,0 +1,1 @@
+"""Continuous batching: scheduler, model runner, sampler, streaming."""

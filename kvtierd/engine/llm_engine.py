@@ -1,0 +1,172 @@
+"""The synchronous engine: add requests, call `step()`, collect outputs.
+
+`AsyncEngine` wraps it for the server; tests, benchmarks and `kvtierd generate`
+drive it directly.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass
+
+from kvtierd.cache.kv_cache_manager import KVCacheManager
+from kvtierd.engine.config import EngineConfig
+from kvtierd.engine.errors import RequestError
+from kvtierd.engine.model_runner import ModelRunner
+from kvtierd.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
+from kvtierd.engine.sampler import sample, token_logprobs
+from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.engine.scheduler import Scheduler, StepPlan
+from kvtierd.model.detokenizer import IncrementalDetokenizer
+from kvtierd.model.loader import LoadedModel
+from kvtierd.storage.device_pool import DeviceKVPool
+from kvtierd.storage.geometry import KVGeometry
+
+
+@dataclass(slots=True)
+class StepStats:
+    num_tokens: int
+    num_seqs: int
+    forward_s: float  # model forward + logits
+    total_s: float  # the whole step, scheduling and sampling included
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
+        self.config = config = config or EngineConfig()
+        self.loaded = loaded
+        mc = loaded.config
+        self.geometry = KVGeometry(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, loaded.model.dtype)
+        num_blocks = self.geometry.num_blocks_for_budget(config.kv_cache_bytes)
+        if num_blocks < 1:
+            raise ValueError(
+                f"kv_cache_bytes={config.kv_cache_bytes} holds no page of {self.geometry.bytes_per_block} bytes"
+            )
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        self.pool = DeviceKVPool(self.geometry, num_blocks, loaded.model.device)
+        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(loaded.model, self.pool, self.kv)
+        self.requests: dict[str, Request] = {}
+        self.last_step: StepStats | None = None
+        self._ids = itertools.count()
+
+    # -- requests -------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raises RequestError for a request that can never be served."""
+        if not prompt_token_ids:
+            raise RequestError("the prompt is empty", "prompt")
+        vocab = self.loaded.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_token_ids):
+            raise RequestError(f"token ids must be in [0, {vocab})", "prompt")
+        total = len(prompt_token_ids) + params.max_tokens
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestError(
+                f"the prompt has {len(prompt_token_ids)} tokens; the context window is {self.max_model_len}", "messages"
+            )
+        if total > self.max_model_len:
+            raise RequestError(
+                f"prompt ({len(prompt_token_ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context "
+                f"window of {self.max_model_len} tokens",
+                "max_tokens",
+            )
+        if total > self.kv.capacity_tokens():
+            raise RequestError(
+                f"prompt + max_tokens ({total} tokens) can never fit the KV cache of {self.kv.capacity_tokens()} "
+                "tokens; raise kv_cache_bytes",
+                "max_tokens",
+            )
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+        self.validate(prompt_token_ids, params)
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise RequestError(f"request id {request_id!r} is already in use")
+        req = Request(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            detokenizer=IncrementalDetokenizer(self.loaded.tokenizer, list(params.stop)),
+            arrival_time=time.monotonic(),
+        )
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Cancels a request and frees its pages now."""
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            req.finish_reason = FinishReason.ABORT
+            self.scheduler.remove(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    # -- stepping -------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        t1 = time.perf_counter()
+        sample_idx, logits = self.runner.execute(plan)
+        t2 = time.perf_counter()
+        outputs = self._advance(plan, sample_idx, logits)
+        t3 = time.perf_counter()
+        self.last_step = StepStats(plan.num_tokens, len(plan.scheduled), t2 - t1, t3 - t0)
+        return outputs
+
+    def _advance(self, plan: StepPlan, sample_idx: list[int], logits) -> list[RequestOutput]:
+        scheduled = plan.scheduled
+        for s in scheduled:
+            s.request.num_computed_tokens += s.num_new_tokens
+        if not sample_idx:
+            return []
+        reqs = [scheduled[i].request for i in sample_idx]
+        tokens = sample(logits, [r.params for r in reqs], [r.generator for r in reqs])
+        want = [r.params.top_logprobs if r.params.logprobs else -1 for r in reqs]
+        lps: list[TokenLogprob | None] = [None] * len(reqs)
+        if any(w >= 0 for w in want):
+            computed = token_logprobs(logits, tokens, [max(w, 0) for w in want])
+            lps = [lp if w >= 0 else None for lp, w in zip(computed, want)]
+        return [self._append_token(r, t, lp) for r, t, lp in zip(reqs, tokens, lps)]
+
+    def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
+        req.token_ids.append(token)
+        p = req.params
+        text = req.detokenizer.push(token)
+        if req.detokenizer.stopped or token in p.stop_token_ids:
+            req.finish_reason = FinishReason.STOP
+        elif not p.ignore_eos and token in self.loaded.tokenizer.eos_token_ids:
+            req.finish_reason = FinishReason.STOP
+        elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            req.finish_reason = FinishReason.LENGTH
+        if req.finished:
+            text += req.detokenizer.flush()
+            del self.requests[req.request_id]
+            self.scheduler.remove(req)
+        return RequestOutput(
+            request_id=req.request_id,
+            token_ids=[token],
+            text=text,
+            logprobs=[logprob] if logprob is not None else [],
+            finished=req.finished,
+            finish_reason=req.finish_reason,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=req.num_output_tokens,
+        )
+
+    # -- convenience ------------------------------------------------------------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+        """Runs prompts to completion together; returns each one's output token ids."""
+        ids = [self.add_request(p, params) for p in prompts]
+        out: dict[str, list[int]] = {i: [] for i in ids}
+        while self.has_unfinished():
+            for o in self.step():
+                out[o.request_id].extend(o.token_ids)
+        return [out[i] for i in ids]

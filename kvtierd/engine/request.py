@@ -1,0 +1,82 @@
+"""A request's state inside the engine, and what it streams out."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.model.detokenizer import IncrementalDetokenizer
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the context window
+    ABORT = "abort"  # cancelled by the client
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token id, logprob), best first
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """One step's news for one request; `text` and `token_ids` are deltas."""
+
+    request_id: str
+    token_ids: list[int]
+    text: str
+    logprobs: list[TokenLogprob]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+
+
+@dataclass(slots=True)
+class Request:
+    """Scheduling invariant: there is no prefill or decode phase. Each step
+    computes up to `num_tokens - num_computed_tokens` pending tokens (all of
+    them for a decode: exactly one); when none remain, the last computed
+    position's logits give the next token, which makes one more pending."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    arrival_time: float
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_computed_tokens: int = 0
+    finish_reason: FinishReason | None = None
+    generator: torch.Generator | None = None
+    num_preemptions: int = 0
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        if self.params.seed is not None:
+            self.generator = torch.Generator().manual_seed(self.params.seed)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def num_pending_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

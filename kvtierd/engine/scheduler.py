@@ -1,0 +1,117 @@
+"""Builds each engine step under a token budget (continuous batching).
+
+Running requests are served first, in admission order: a decode takes one
+token of the budget, an unfinished prefill takes as many as remain (chunked
+prefill). Waiting requests are admitted FIFO with what is left. When pages run
+out for a running request, the most recently admitted one is preempted: its
+pages are freed and it goes back to the head of the queue to be recomputed,
+which reproduces the same tokens.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvtierd.cache.kv_cache_manager import Allocation, KVCacheManager
+from kvtierd.engine.request import Request
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    allocation: Allocation
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Single-token entries (decodes) first, then prefill chunks, as `PagedBatch` wants."""
+
+    decodes: list[ScheduledRequest] = field(default_factory=list)
+    prefills: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def scheduled(self) -> list[ScheduledRequest]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.decodes) + sum(s.num_new_tokens for s in self.prefills)
+
+    @property
+    def empty(self) -> bool:
+        return not self.decodes and not self.prefills
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+        self.kv = kv
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def remove(self, request: Request) -> None:
+        """Drops a finished or aborted request and frees its pages at once."""
+        if request in self.running:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        self.kv.free(request.request_id)
+
+    def schedule(self) -> StepPlan:
+        plan = StepPlan()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_pending_tokens, budget)
+            alloc = self.kv.allocate_slots(req.request_id, n)
+            while alloc is None:
+                victim = self.running.pop()
+                self._preempt(victim)
+                plan.preempted.append(victim)
+                if victim is req:
+                    break
+                alloc = self.kv.allocate_slots(req.request_id, n)
+            if alloc is None:
+                break
+            self._add_to_plan(plan, ScheduledRequest(req, n, alloc))
+            budget -= n
+            i += 1
+
+        # No admissions in a step that had to preempt: memory is short.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not plan.preempted:
+            req = self.waiting[0]
+            n = min(req.num_pending_tokens, budget)
+            alloc = self.kv.allocate_slots(req.request_id, n)
+            if alloc is None:
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            self._add_to_plan(plan, ScheduledRequest(req, n, alloc))
+            budget -= n
+        return plan
+
+    def _add_to_plan(self, plan: StepPlan, s: ScheduledRequest) -> None:
+        # Any single new token attends like a decode, whatever its phase.
+        (plan.decodes if s.num_new_tokens == 1 else plan.prefills).append(s)
+
+    def _preempt(self, req: Request) -> None:
+        self.kv.free(req.request_id)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)

@@ -1,0 +1,49 @@
+"""Rotary position embeddings in the Hugging Face "rotate half" layout."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvtierd.model.config import ModelConfig, RopeScaling
+
+
+def _inverse_frequencies(config: ModelConfig) -> torch.Tensor:
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_scaling is not None:
+        inv_freq = _llama3_scale(inv_freq, config.rope_scaling)
+    return inv_freq
+
+
+def _llama3_scale(inv_freq: torch.Tensor, s: RopeScaling) -> torch.Tensor:
+    """Llama 3's long-context scaling: slow frequencies divided by `factor`, fast kept, a ramp between."""
+    low_freq_wavelen = s.original_max_position_embeddings / s.low_freq_factor
+    high_freq_wavelen = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    ramp = (1 - smooth) * scaled / s.factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, ramp, scaled)
+
+
+class RotaryEmbedding:
+    """Precomputed cos/sin tables for every position up to the context window."""
+
+    def __init__(self, config: ModelConfig, device: torch.device, dtype: torch.dtype) -> None:
+        inv_freq = _inverse_frequencies(config)
+        positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq)
+        emb = torch.cat([freqs, freqs], dim=-1)  # [max_pos, head_dim]
+        self.cos = emb.cos().to(device=device, dtype=dtype)
+        self.sin = emb.sin().to(device=device, dtype=dtype)
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotates `x [num_tokens, heads, head_dim]` to the given positions."""
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        half = x.shape[-1] // 2
+        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated * sin

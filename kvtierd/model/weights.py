@@ -1,0 +1,72 @@
+"""Weights of a Llama-family model in the layout the forward uses.
+
+Linear weights are `[out_features, in_features]` as in `torch.nn.functional.linear`.
+q, k and v are fused into one matrix, and gate and up into another, so that a
+decode step streams each layer's weights in two large reads instead of five.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    attn_norm: torch.Tensor  # [hidden]
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    ffn_norm: torch.Tensor  # [hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(slots=True)
+class ModelWeights:
+    embed: torch.Tensor  # [vocab, hidden]
+    layers: list[LayerWeights]
+    final_norm: torch.Tensor  # [hidden]
+    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+
+    def num_bytes_per_token(self) -> int:
+        """Bytes a batch-1 decode step reads: every matrix once, one embedding row."""
+        total = self.lm_head.numel() * self.lm_head.element_size()
+        total += self.embed.shape[1] * self.embed.element_size()
+        for layer in self.layers:
+            for t in (layer.attn_norm, layer.qkv, layer.qkv_bias, layer.o, layer.ffn_norm, layer.gate_up, layer.down):
+                if t is not None:
+                    total += t.numel() * t.element_size()
+        return total + self.final_norm.numel() * self.final_norm.element_size()
+
+
+def fuse_layer(
+    *,
+    attn_norm: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_bias: torch.Tensor | None,
+    k_bias: torch.Tensor | None,
+    v_bias: torch.Tensor | None,
+    o: torch.Tensor,
+    ffn_norm: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    down: torch.Tensor,
+) -> LayerWeights:
+    """Builds one layer's fused weights from the separate HF-layout matrices."""
+    biases = (q_bias, k_bias, v_bias)
+    if any(b is not None for b in biases) and not all(b is not None for b in biases):
+        raise ValueError("attention biases must be given for all of q, k and v or for none")
+    qkv_bias = torch.cat(biases).contiguous() if q_bias is not None else None
+    return LayerWeights(
+        attn_norm=attn_norm.contiguous(),
+        qkv=torch.cat([q, k, v]).contiguous(),
+        qkv_bias=qkv_bias,
+        o=o.contiguous(),
+        ffn_norm=ffn_norm.contiguous(),
+        gate_up=torch.cat([gate, up]).contiguous(),
+        down=down.contiguous(),
+    )

@@ -1,0 +1,1 @@
+"""Where KV bytes live: device/host pools, and (later) LMDB and Redis stores."""
