@@ -1,0 +1,1 @@
+"""kvtierd: a KV-cache daemon for LLM inference."""

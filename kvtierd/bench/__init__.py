@@ -1,0 +1,1 @@
+"""`kvtierd bench ...`: benchmarks that print tables and write their figures as JSON."""

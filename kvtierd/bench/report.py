@@ -1,0 +1,51 @@
+"""Shared output for the benchmarks: a rich table on stdout, the figures as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+
+def machine() -> dict:
+    return {
+        "cpu": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall seconds of `fn` over `repeats` runs."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def print_table(title: str, columns: list[str], rows: list[list[object]]) -> None:
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="right" if c != columns[0] else "left")
+    for r in rows:
+        table.add_row(*[f"{v:,.2f}" if isinstance(v, float) else str(v) for v in r])
+    Console().print(table)
+
+
+def write_json(path: Path | None, figures: dict) -> None:
+    if path is not None:
+        path.write_text(json.dumps({"machine": machine(), **figures}, indent=2))
+        Console().print(f"figures written to {path}")

@@ -1,0 +1,105 @@
+"""`kvtierd`: try the engine (`generate`, `chat`) and run the benchmarks (`bench ...`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from kvtierd.cli.bench import bench_app
+
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvtierd: a tiered KV-cache LLM daemon.")
+app.add_typer(bench_app, name="bench")
+
+ModelOpt = Annotated[Optional[str], typer.Option("--model", help="A .gguf file or a Hugging Face directory; default: bundled SmolLM2-135M-Instruct.")]
+DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
+
+
+def _engine(model: str | None, device: str):
+    from kvtierd.engine.llm_engine import LLMEngine
+    from kvtierd.model.errors import ModelLoadError
+    from kvtierd.model.loader import load_model
+
+    try:
+        return LLMEngine(load_model(model, device))
+    except ModelLoadError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+
+
+def _stream(engine, prompt_ids: list[int], params) -> str:
+    from kvtierd.engine.errors import RequestError
+
+    try:
+        rid = engine.add_request(prompt_ids, params)
+    except RequestError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    reply = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.request_id == rid:
+                reply.append(out.text)
+                sys.stdout.write(out.text)
+                sys.stdout.flush()
+    sys.stdout.write("\n")
+    return "".join(reply)
+
+
+def _params(max_tokens: int, temperature: float, top_p: float, seed: int | None):
+    from kvtierd.engine.sampling_params import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, seed=seed)
+
+
+@app.command()
+def generate(
+    prompt: Annotated[str, typer.Argument(help="The user message (or raw text with --raw).")],
+    model: ModelOpt = None,
+    device: DeviceOpt = "cpu",
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
+    temperature: Annotated[float, typer.Option(help="0 for greedy.")] = 0.0,
+    top_p: Annotated[float, typer.Option()] = 1.0,
+    seed: Annotated[Optional[int], typer.Option()] = None,
+    raw: Annotated[bool, typer.Option("--raw", help="Continue the text as is, without the chat template.")] = False,
+) -> None:
+    """Generate one reply on the local engine and stream it to stdout."""
+    engine = _engine(model, device)
+    tok = engine.loaded.tokenizer
+    ids = tok.encode(prompt) if raw else tok.encode_chat([{"role": "user", "content": prompt}])
+    _stream(engine, ids, _params(max_tokens, temperature, top_p, seed))
+
+
+@app.command()
+def chat(
+    model: ModelOpt = None,
+    device: DeviceOpt = "cpu",
+    max_tokens: Annotated[int, typer.Option(help="Tokens per reply at most.")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 for greedy.")] = 0.0,
+    system: Annotated[Optional[str], typer.Option(help="A system prompt.")] = None,
+) -> None:
+    """Chat with the local model in the terminal (an empty line or EOF quits)."""
+    engine = _engine(model, device)
+    tok = engine.loaded.tokenizer
+    messages = [{"role": "system", "content": system}] if system else []
+    typer.echo(f"kvtierd chat on {engine.loaded.name} ({engine.loaded.config.num_layers} layers, {device}); empty line quits.")
+    while True:
+        try:
+            line = input("> ").strip()
+        except EOFError:
+            break
+        if not line:
+            break
+        messages.append({"role": "user", "content": line})
+        reply = _stream(engine, tok.encode_chat(messages), _params(max_tokens, temperature, 1.0, None))
+        messages.append({"role": "assistant", "content": reply})
+
+
+def main() -> None:  # pragma: no cover - console entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

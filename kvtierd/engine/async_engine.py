@@ -1,0 +1,120 @@
+"""Runs the engine's step loop beside an asyncio event loop.
+
+Each step runs on one worker thread, so the event loop keeps serving while the
+model computes. The engine is only ever touched by that thread during a step
+and by the event loop between steps: requests added or cancelled mid-step are
+applied as soon as the step returns, so a cancelled request's pages are free
+before the next step is scheduled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from kvtierd.engine.errors import EngineStoppedError
+from kvtierd.engine.llm_engine import LLMEngine
+from kvtierd.engine.request import RequestOutput
+from kvtierd.engine.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtierd-step")
+        self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
+        self._pending: list[Callable[[], None]] = []  # engine edits made while a step runs
+        self._stepping = False
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task | None = None
+        self._stopped = False
+
+    async def start(self) -> None:
+        self._loop_task = asyncio.create_task(self._run(), name="kvtierd-engine-loop")
+
+    async def stop(self) -> None:
+        self._stopped = True
+        if self._loop_task is not None:
+            self._loop_task.cancel()
+            try:
+                await self._loop_task
+            except asyncio.CancelledError:
+                pass
+        for q in list(self._queues.values()):
+            q.put_nowait(EngineStoppedError("the engine stopped"))
+        self._executor.shutdown(wait=True)
+
+    @property
+    def num_active(self) -> int:
+        return len(self._queues)
+
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+    ) -> AsyncIterator[RequestOutput]:
+        """Streams a request's outputs; leaving the iteration early cancels it.
+
+        Invalid requests raise RequestError here, before anything is queued."""
+        if self._stopped:
+            raise EngineStoppedError("the engine is shutting down")
+        self.engine.validate(prompt_token_ids, params)
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        self._queues[request_id] = queue
+        self._edit(lambda: self.engine.add_request(prompt_token_ids, params, request_id))
+        finished = False
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._queues.pop(request_id, None)
+            if not finished:
+                self._edit(lambda: self.engine.abort_request(request_id))
+
+    def _edit(self, change: Callable[[], None]) -> None:
+        if self._stepping:
+            self._pending.append(change)
+        else:
+            change()
+        self._wake.set()
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self.engine.has_unfinished():
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._stepping = True
+            try:
+                outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            except Exception as e:  # a failed step fails its requests, not the daemon
+                log.exception("engine step failed")
+                outputs = []
+                self._fail_all(e)
+            finally:
+                self._stepping = False
+                pending, self._pending = self._pending, []
+                for change in pending:
+                    change()
+            for out in outputs:
+                q = self._queues.get(out.request_id)
+                if q is not None:
+                    q.put_nowait(out)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort_request(rid)
+            q = self._queues.get(rid)
+            if q is not None:
+                q.put_nowait(error)

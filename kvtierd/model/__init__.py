@@ -1,0 +1,1 @@
+"""The model layer: weights loaders, tokenizer, chat template and the Llama forward."""

@@ -1,0 +1,1 @@
+"""Alembic environment of the chat-session store (`script_location = "kvtierd.migrations:"`)."""

@@ -1,0 +1,91 @@
+"""SQL schema of the chat-session store: sessions and their messages.
+
+The migrations in `kvtierd.migrations` create these tables; this module is the
+ORM view of them (and the target of `alembic revision --autogenerate`).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+# Named constraints, so SQLite batch migrations can find and alter them later.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+# Mirror the CHECK constraints on messages, so callers can validate before writing.
+MESSAGE_ROLES = ("user", "assistant")
+MESSAGE_STATUSES = ("complete", "interrupted")
+
+
+class UTCDateTime(sa.TypeDecorator[datetime]):
+    """Timezone-aware UTC in, timezone-aware UTC out.
+
+    SQLite stores no offset, so naive values read back are UTC by construction;
+    PostgreSQL's timestamptz comes back in the server's zone and is normalised.
+    """
+
+    impl = sa.DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError("naive datetime given to a UTC column")
+        return value.astimezone(UTC)
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = sa.MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class SessionRow(Base):
+    __tablename__ = "sessions"
+    # One index serves both "this tenant's sessions" and "most recently used first".
+    __table_args__ = (sa.Index("ix_sessions_tenant_last_used_at", "tenant", "last_used_at"),)
+
+    id: Mapped[str] = mapped_column(sa.Text, primary_key=True)
+    tenant: Mapped[str] = mapped_column(sa.Text)
+    qos_class: Mapped[str] = mapped_column(sa.Text, default="normal", server_default="normal")
+    title: Mapped[str | None] = mapped_column(sa.Text)
+    system_prompt: Mapped[str | None] = mapped_column(sa.Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    last_used_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    token_count: Mapped[int] = mapped_column(sa.Integer, default=0, server_default="0")
+    pinned: Mapped[bool] = mapped_column(sa.Boolean, default=False, server_default=sa.false())
+
+
+class MessageRow(Base):
+    __tablename__ = "messages"
+    # The unique (session_id, seq) index also serves lookups and cascades by session_id.
+    __table_args__ = (
+        sa.UniqueConstraint("session_id", "seq"),
+        sa.CheckConstraint("role IN ('user', 'assistant')", name="role"),
+        sa.CheckConstraint("status IN ('complete', 'interrupted')", name="status"),
+    )
+
+    id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
+    session_id: Mapped[str] = mapped_column(sa.Text, sa.ForeignKey("sessions.id", ondelete="CASCADE"))
+    seq: Mapped[int] = mapped_column(sa.Integer)
+    role: Mapped[str] = mapped_column(sa.Text)
+    content: Mapped[str] = mapped_column(sa.Text)
+    status: Mapped[str] = mapped_column(sa.Text)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    prompt_tokens: Mapped[int | None] = mapped_column(sa.Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(sa.Integer)

@@ -1,0 +1,317 @@
+"""The chat-session store, run against a real SQLite file and a real PostgreSQL 15."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Engine
+
+from kvtierd.storage.session_store import SessionStore
+from kvtierd.storage.sql_migrate import upgrade_to_head
+from kvtierd.storage.store_errors import (
+    SessionNotFoundError,
+    SessionStoreError,
+    StoreArgumentError,
+    StoreUnavailableError,
+)
+
+_db_names = itertools.count()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """An empty database per test: a SQLite file in a not-yet-existing dir, or a fresh PostgreSQL db."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'state' / 'sessions.db'}"
+    if os.environ.get("KVTIERD_SKIP_POSTGRES") == "1":
+        pytest.skip("KVTIERD_SKIP_POSTGRES=1")
+    server = request.getfixturevalue("postgres_server")
+    url: str = server.create_database(f"sessions_{next(_db_names)}")
+    return url
+
+
+@pytest.fixture
+def store(store_url: str) -> Iterator[SessionStore]:
+    with SessionStore(store_url) as s:
+        yield s
+
+
+def turn(store: SessionStore, tenant: str, session_id: str, n: int, **kw: Any) -> Any:
+    kw.setdefault("prompt_tokens", 10 + n)
+    kw.setdefault("completion_tokens", 5)
+    kw.setdefault("token_count", 100 + n)
+    return store.append_turn(tenant, session_id, f"question {n}", f"answer {n}", **kw)
+
+
+def count_messages(url: str, session_id: str) -> int:
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            query = sa.text("SELECT count(*) FROM messages WHERE session_id = :sid")
+            return int(conn.execute(query, {"sid": session_id}).scalar_one())
+    finally:
+        engine.dispose()
+
+
+# --- migrations ---------------------------------------------------------------------------
+
+
+def test_migrations_create_the_tables_and_rerunning_is_a_no_op(store_url: str) -> None:
+    sqlite_file = sa.make_url(store_url).database
+    if store_url.startswith("sqlite") and sqlite_file:
+        Path(sqlite_file).parent.mkdir(parents=True)  # only SessionStore creates it
+    upgrade_to_head(store_url)
+    upgrade_to_head(store_url)
+
+    engine = sa.create_engine(store_url)
+    try:
+        inspector = sa.inspect(engine)
+        assert {"sessions", "messages", "alembic_version"} <= set(inspector.get_table_names())
+        assert {c["name"] for c in inspector.get_columns("sessions")} == {
+            "id", "tenant", "qos_class", "title", "system_prompt",
+            "created_at", "last_used_at", "token_count", "pinned",
+        }  # fmt: skip
+        assert {c["name"] for c in inspector.get_columns("messages")} == {
+            "id", "session_id", "seq", "role", "content", "status",
+            "created_at", "prompt_tokens", "completion_tokens",
+        }  # fmt: skip
+        assert [i["column_names"] for i in inspector.get_indexes("sessions")] == [["tenant", "last_used_at"]]
+        assert [u["column_names"] for u in inspector.get_unique_constraints("messages")] == [["session_id", "seq"]]
+        [fk] = inspector.get_foreign_keys("messages")
+        assert fk["referred_table"] == "sessions"
+        assert fk["options"].get("ondelete") == "CASCADE"
+        with engine.connect() as conn:
+            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0001"]
+    finally:
+        engine.dispose()
+
+    # A store opened on the migrated database migrates nothing and works.
+    with SessionStore(store_url) as store:
+        assert store.list_sessions("t") == []
+
+
+# --- sessions -----------------------------------------------------------------------------
+
+
+def test_create_get_list_delete(store: SessionStore) -> None:
+    created = store.create_session("acme", system_prompt="Be brief.", title="Plans", qos_class="high")
+
+    assert created.id.startswith("sess_")
+    assert (created.tenant, created.qos_class, created.title, created.system_prompt) == (
+        "acme", "high", "Plans", "Be brief.",
+    )  # fmt: skip
+    assert (created.token_count, created.pinned) == (0, False)
+    assert created.created_at.tzinfo == UTC
+    assert created.last_used_at == created.created_at
+
+    assert store.get_session("acme", created.id) == created
+    assert store.list_sessions("acme") == [created]
+    assert store.messages("acme", created.id) == []
+
+    assert store.delete_session("acme", created.id) is True
+    assert store.get_session("acme", created.id) is None
+    assert store.list_sessions("acme") == []
+    assert store.delete_session("acme", created.id) is False
+
+
+def test_defaults(store: SessionStore) -> None:
+    created = store.create_session("acme")
+    assert (created.qos_class, created.title, created.system_prompt) == ("normal", None, None)
+
+
+def test_list_is_most_recently_used_first_and_limited(store: SessionStore) -> None:
+    first = store.create_session("acme", title="first")
+    second = store.create_session("acme", title="second")
+    third = store.create_session("acme", title="third")
+    assert [s.title for s in store.list_sessions("acme")] == ["third", "second", "first"]
+
+    turn(store, "acme", first.id, 0)
+    assert [s.title for s in store.list_sessions("acme")] == ["first", "third", "second"]
+    assert [s.title for s in store.list_sessions("acme", limit=2)] == ["first", "third"]
+    assert {second.id, third.id} < {s.id for s in store.list_sessions("acme")}
+    with pytest.raises(StoreArgumentError):
+        store.list_sessions("acme", limit=0)
+
+
+def test_a_tenant_sees_only_its_own_sessions(store: SessionStore) -> None:
+    mine = store.create_session("tenant-a", title="private")
+    turn(store, "tenant-a", mine.id, 0)
+
+    assert store.get_session("tenant-b", mine.id) is None
+    assert store.list_sessions("tenant-b") == []
+    with pytest.raises(SessionNotFoundError):
+        store.messages("tenant-b", mine.id)
+    with pytest.raises(SessionNotFoundError):
+        turn(store, "tenant-b", mine.id, 1)
+    assert store.delete_session("tenant-b", mine.id) is False
+
+    # Tenant A's session is untouched by all of that.
+    assert [m.content for m in store.messages("tenant-a", mine.id)] == ["question 0", "answer 0"]
+    assert store.get_session("tenant-a", mine.id) is not None
+
+
+def test_unknown_session_is_not_found(store: SessionStore) -> None:
+    with pytest.raises(SessionNotFoundError):
+        store.messages("acme", "sess_missing")
+    with pytest.raises(LookupError):
+        turn(store, "acme", "sess_missing", 0)
+
+
+# --- turns --------------------------------------------------------------------------------
+
+
+def test_append_turn_stores_the_message_with_its_reply(store: SessionStore) -> None:
+    session = store.create_session("acme")
+
+    user, reply = turn(store, "acme", session.id, 0, prompt_tokens=12, completion_tokens=7, token_count=19)
+    assert (user.seq, user.role, user.content, user.status) == (0, "user", "question 0", "complete")
+    assert (reply.seq, reply.role, reply.content, reply.status) == (1, "assistant", "answer 0", "complete")
+    assert (user.prompt_tokens, user.completion_tokens) == (None, None)
+    assert (reply.prompt_tokens, reply.completion_tokens) == (12, 7)
+    assert reply.created_at.tzinfo == UTC
+
+    turn(store, "acme", session.id, 1, token_count=40)
+    messages = store.messages("acme", session.id)
+    assert [m.seq for m in messages] == [0, 1, 2, 3]
+    assert messages[:2] == [user, reply]
+
+    after = store.get_session("acme", session.id)
+    assert after is not None
+    assert after.token_count == 40
+    assert after.last_used_at > session.last_used_at
+    assert after.created_at == session.created_at
+
+
+def test_an_interrupted_turn_is_marked_interrupted(store: SessionStore) -> None:
+    session = store.create_session("acme")
+    turn(store, "acme", session.id, 0)
+    turn(store, "acme", session.id, 1, status="interrupted", completion_tokens=2)
+
+    statuses = [(m.role, m.status) for m in store.messages("acme", session.id)]
+    assert statuses == [
+        ("user", "complete"), ("assistant", "complete"),
+        ("user", "interrupted"), ("assistant", "interrupted"),
+    ]  # fmt: skip
+
+
+def test_an_unknown_status_is_rejected_before_writing(store: SessionStore) -> None:
+    session = store.create_session("acme")
+    with pytest.raises(StoreArgumentError):
+        turn(store, "acme", session.id, 0, status="partial")
+    assert store.messages("acme", session.id) == []
+
+
+def test_append_turn_is_atomic_when_a_constraint_fails(store: SessionStore) -> None:
+    session = store.create_session("acme")
+    # NOT NULL on content fails on the reply, after the session row was already updated.
+    with pytest.raises(SessionStoreError):
+        store.append_turn(
+            "acme", session.id, "question", None,  # type: ignore[arg-type]
+            prompt_tokens=1, completion_tokens=1, token_count=99,
+        )  # fmt: skip
+
+    assert store.messages("acme", session.id) == []
+    assert store.get_session("acme", session.id) == session
+
+
+def test_append_turn_is_atomic_when_it_fails_mid_transaction(store: SessionStore) -> None:
+    session = store.create_session("acme")
+
+    def fail_after_messages_insert(_conn: Any, _cursor: Any, statement: str, *_args: Any) -> None:
+        # Both messages are written (and the session row updated); the commit never comes.
+        if statement.lstrip().upper().startswith("INSERT INTO MESSAGES"):
+            raise RuntimeError("injected failure")
+
+    sa.event.listen(Engine, "after_cursor_execute", fail_after_messages_insert)
+    try:
+        with pytest.raises(RuntimeError, match="injected failure"):
+            turn(store, "acme", session.id, 0, token_count=99)
+    finally:
+        sa.event.remove(Engine, "after_cursor_execute", fail_after_messages_insert)
+
+    assert store.messages("acme", session.id) == []
+    assert store.get_session("acme", session.id) == session
+    # The store is still usable, and the failed turn left no gap in the sequence.
+    user, reply = turn(store, "acme", session.id, 1)
+    assert (user.seq, reply.seq) == (0, 1)
+
+
+def test_deleting_a_session_deletes_its_messages(store: SessionStore, store_url: str) -> None:
+    session = store.create_session("acme")
+    turn(store, "acme", session.id, 0)
+    turn(store, "acme", session.id, 1)
+    assert count_messages(store_url, session.id) == 4
+
+    assert store.delete_session("acme", session.id)
+    assert count_messages(store_url, session.id) == 0
+
+
+def test_concurrent_turns_on_one_session_get_distinct_seqs(store: SessionStore) -> None:
+    session = store.create_session("acme")
+    num_threads, turns_each = 8, 3
+    start = threading.Barrier(num_threads)
+
+    def worker(t: int) -> None:
+        start.wait()
+        for i in range(turns_each):
+            turn(store, "acme", session.id, t * 100 + i)
+
+    with ThreadPoolExecutor(num_threads) as pool:
+        list(pool.map(worker, range(num_threads)))
+
+    messages = store.messages("acme", session.id)
+    assert [m.seq for m in messages] == list(range(2 * num_threads * turns_each))
+    # Each reply directly follows its own question.
+    for user, reply in zip(messages[::2], messages[1::2], strict=True):
+        assert (user.role, reply.role) == ("user", "assistant")
+        assert reply.content == user.content.replace("question", "answer")
+
+
+# --- an unreachable database --------------------------------------------------------------
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """A TCP port that accepts connections (the kernel's backlog) but never answers."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        yield listener.getsockname()[1]
+
+
+@pytest.fixture
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize("port_fixture", ["silent_port", "closed_port"])
+def test_an_unreachable_postgres_fails_fast(port_fixture: str, request: pytest.FixtureRequest) -> None:
+    port = request.getfixturevalue(port_fixture)
+    url = f"postgresql+psycopg://postgres@127.0.0.1:{port}/kvtierd"
+
+    began = time.monotonic()
+    with pytest.raises(StoreUnavailableError) as caught:
+        SessionStore(url, timeout_s=2)
+    assert time.monotonic() - began < 10
+    assert "127.0.0.1" in str(caught.value)
+    assert not isinstance(caught.value, sa.exc.SQLAlchemyError)
+
+
+def test_a_bad_url_is_an_argument_error() -> None:
+    with pytest.raises(StoreArgumentError):
+        SessionStore("not a url")
+    with pytest.raises(StoreArgumentError):
+        SessionStore("nosuchdialect://x/y")
