@@ -129,7 +129,7 @@ def save_model_dir(path: Path, model, hf_tok) -> Path:
     return path
 
 
-@dataclass
+@dataclass(slots=True)
 class Case:
     name: str
     path: Path
