@@ -35,7 +35,7 @@ def _token_slots(block_table: torch.Tensor, num_tokens: int, block_size: int) ->
 class ReferencePlan:
     batch: PagedBatch
     decode_slots: torch.Tensor  # [num_decodes, max_decode_ctx] int64
-    decode_mask: torch.Tensor  # [num_decodes, 1, 1, max_decode_ctx] bool, True where attended
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_decode_ctx] bool, True where attended; None: all
     prefill_slots: list[torch.Tensor]  # per prefill sequence: [context_len] int64
 
     @classmethod
@@ -44,8 +44,10 @@ class ReferencePlan:
         bs = batch.block_size
         decode_ctx = max(batch.context_lens_host[:nd], default=0)
         decode_slots = _token_slots(batch.block_tables[:nd], decode_ctx, bs)
-        positions = torch.arange(decode_ctx, device=batch.context_lens.device)
-        decode_mask = (positions < batch.context_lens[:nd, None]).view(nd, 1, 1, decode_ctx)
+        decode_mask = None
+        if len(set(batch.context_lens_host[:nd])) > 1:  # padding only when lengths differ
+            positions = torch.arange(decode_ctx, device=batch.context_lens.device)
+            decode_mask = (positions < batch.context_lens[:nd, None]).view(nd, 1, 1, decode_ctx)
         prefill_slots = [
             _token_slots(batch.block_tables[i], batch.context_lens_host[i], bs) for i in range(nd, batch.num_seqs)
         ]
@@ -66,17 +68,18 @@ def paged_attention(
     group = num_heads // kv_heads
     k_flat = k_cache.view(-1, kv_heads, head_dim)
     v_flat = v_cache.view(-1, kv_heads, head_dim)
-    out = torch.empty_like(q)
+    out = q.new_empty(q.shape)
 
     nd = batch.num_decodes
     if nd:
-        # One query per sequence: a padded batched matmul over the gathered pages.
-        qd = q[:nd].view(nd, kv_heads, group, head_dim)
+        # One query per sequence: one padded attention call over the gathered pages.
+        qd = q[:nd].unsqueeze(2)  # [nd, heads, 1, head_dim]
         kd = k_flat[plan.decode_slots].transpose(1, 2)  # [nd, kv_heads, ctx, head_dim]
         vd = v_flat[plan.decode_slots].transpose(1, 2)
-        scores = torch.matmul(qd, kd.transpose(-1, -2)) * scale  # [nd, kv_heads, group, ctx]
-        scores = scores.masked_fill(~plan.decode_mask, float("-inf"))
-        out[:nd] = torch.matmul(torch.softmax(scores, dim=-1), vd).view(nd, num_heads, head_dim)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
+        if nd == num_tokens:
+            return od.view(nd, num_heads, head_dim)
+        out[:nd] = od.view(nd, num_heads, head_dim)
 
     start = nd  # decodes hold exactly one token each
     for i, slots in enumerate(plan.prefill_slots, start=nd):

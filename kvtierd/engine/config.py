@@ -11,7 +11,7 @@ DEFAULT_KV_CACHE_BYTES = 1 << 30
 class EngineConfig:
     block_size: int = 16  # tokens per KV page
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES  # device KV pool size
-    max_num_batched_tokens: int = 1024  # per-step token budget (chunked prefill)
+    max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     max_num_seqs: int = 64  # running requests at once
     max_model_len: int | None = None  # defaults to the model's context window
 

@@ -17,7 +17,10 @@ from kvtierd.model.weights import ModelWeights
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Normalised in float32 whatever the weights' dtype, as transformers does.
+    # Normalised in float32 whatever the weights' dtype, as transformers does;
+    # one fused op in float32, which matters at batch 1 where op count is the cost.
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
@@ -45,13 +48,16 @@ class LlamaModel:
         """Returns the final hidden states `[num_tokens, hidden]` (normed, before the LM head)."""
         c = self.config
         plan = ReferencePlan.build(batch)
+        cos, sin = self.rope.tables(positions)
         h = F.embedding(input_ids, self.weights.embed)
+        num_qk_heads = c.num_heads + c.num_kv_heads
         for layer, (k_cache, v_cache) in zip(self.weights.layers, kv_caches, strict=True):
             x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
             qkv = F.linear(x, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([self._q_size, self._kv_size, self._kv_size], dim=-1)
-            q = self.rope.apply(q.view(-1, c.num_heads, c.head_dim), positions)
-            k = self.rope.apply(k.view(-1, c.num_kv_heads, c.head_dim), positions)
+            qk, v = qkv.split([self._q_size + self._kv_size, self._kv_size], dim=-1)
+            # q and k heads sit side by side in qkv: one rotation covers both.
+            qk = self.rope.apply(qk.view(-1, num_qk_heads, c.head_dim), cos, sin)
+            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             write_kv(k_cache, v_cache, k, v.view(-1, c.num_kv_heads, c.head_dim), batch.slot_mapping)
             attn = paged_attention(plan, q, k_cache, v_cache, self.scale)
             h = h + F.linear(attn.view(-1, self._q_size), layer.o)
