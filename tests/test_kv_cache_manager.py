@@ -6,6 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from kvtierd.cache.block_hash import hash_full_blocks, namespace_root
 from kvtierd.cache.kv_cache_manager import KVCacheManager
 
 
@@ -21,7 +22,7 @@ def test_pages_fill_in_order_and_return_to_the_free_queue():
     assert kv.block_ids("a") == [0, 1]  # ... and nothing changed
     kv.free("a")
     assert kv.num_free_blocks == 2
-    assert kv.allocate_slots("c", 1).slots == [0]  # freed pages are reused oldest first
+    assert kv.allocate_slots("c", 1).slots == [4]  # a freed chain is reused tail first
 
 
 def test_fork_shares_pages_and_copies_the_partial_page_on_write():
@@ -52,18 +53,19 @@ def test_a_full_shared_page_is_never_copied():
 
 
 class PagePoolMachine(RuleBasedStateMachine):
-    """Random allocate / fork / free on a tiny pool, with a shadow of what each
-    sequence wrote: every sequence must read back exactly its own tokens."""
+    """Random start (reusing cached prefixes) / append / fork / free on a tiny
+    pool, with a shadow of the device: reading a sequence's slots must give
+    back exactly its own tokens, however pages were shared or copied."""
 
     def __init__(self) -> None:
         super().__init__()
         self.kv = KVCacheManager(num_blocks=12, block_size=3)
-        self.cells: dict[int, tuple[str, int]] = {}  # slot -> (writer, position): the "device"
-        self.history: dict[str, list[tuple[str, int]]] = {}  # what each sequence must see
+        self.cells: dict[int, int] = {}  # slot -> token id: the "device"
+        self.history: dict[str, list[int]] = {}  # each sequence's tokens
         self.next_id = 0
 
-    def _write(self, seq: str, n: int) -> bool:
-        alloc = self.kv.allocate_slots(seq, n)
+    def _write(self, seq: str, tokens: list[int]) -> bool:
+        alloc = self.kv.allocate_slots(seq, len(tokens))
         if alloc is None:
             return False
         bs = self.kv.block_size
@@ -71,24 +73,28 @@ class PagePoolMachine(RuleBasedStateMachine):
             for off in range(bs):
                 if (src * bs + off) in self.cells:
                     self.cells[dst * bs + off] = self.cells[src * bs + off]
-        for slot in alloc.slots:
-            mark = (seq, len(self.history.setdefault(seq, [])))
-            self.cells[slot] = mark
-            self.history[seq].append(mark)
+        for slot, t in zip(alloc.slots, tokens):
+            self.cells[slot] = t
+        self.history[seq] = self.history.get(seq, []) + tokens
+        self.kv.commit(seq, ROOT_A, self.history[seq], len(self.history[seq]))
         return True
 
-    @rule(n=st.integers(1, 8))
-    def start(self, n):
+    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9))
+    def start(self, tokens):
         seq = f"s{self.next_id}"
         self.next_id += 1
-        if not self._write(seq, n):
-            self.history.pop(seq, None)
+        hit = self.kv.find_prefix(ROOT_A, tokens)
+        self.kv.adopt_prefix(seq, hit)
+        self.history[seq] = tokens[: hit.num_tokens]
+        if not self._write(seq, tokens[hit.num_tokens :]):
+            self.kv.free(seq)
+            del self.history[seq]
 
     @precondition(lambda self: self.history)
-    @rule(data=st.data(), n=st.integers(1, 4))
-    def append(self, data, n):
+    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=4))
+    def append(self, data, tokens):
         seq = data.draw(st.sampled_from(sorted(self.history)))
-        self._write(seq, n)
+        self._write(seq, tokens)
 
     @precondition(lambda self: self.history)
     @rule(data=st.data())
@@ -111,8 +117,7 @@ class PagePoolMachine(RuleBasedStateMachine):
         for seq, expected in self.history.items():
             table = self.kv.table(seq)
             assert table.num_tokens == len(expected)
-            seen = [self.cells[s] for s in table.slots(0, table.num_tokens)]
-            assert seen == expected
+            assert [self.cells[s] for s in table.slots(0, table.num_tokens)] == expected
 
     @invariant()
     def ref_counts_match_the_page_tables(self):
@@ -131,3 +136,60 @@ class PagePoolMachine(RuleBasedStateMachine):
 
 TestPagePool = PagePoolMachine.TestCase
 TestPagePool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+ROOT_A = namespace_root("model-1", "tenant-a")
+
+
+def computed(kv: KVCacheManager, seq: str, tokens: list[int], root=ROOT_A) -> None:
+    """Allocates and commits `tokens` for a new sequence, as a step would."""
+    kv.allocate_slots(seq, len(tokens))
+    kv.commit(seq, root, tokens, len(tokens))
+
+
+def test_full_pages_are_found_again_by_prefix_and_shared():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    computed(kv, "a", list(range(10)))  # pages 0, 1 full; page 2 partial (not indexed)
+    hit = kv.find_prefix(ROOT_A, list(range(9)) + [99, 98])
+    assert hit.block_ids == [0, 1] and hit.num_tokens == 8
+    kv.adopt_prefix("b", hit)
+    assert kv.pool.ref_count(0) == kv.pool.ref_count(1) == 2
+    assert kv.allocate_slots("b", 3).slots == [12, 13, 14]  # its own page 3 for tokens 8..10
+
+
+def test_a_hit_always_leaves_one_token_to_compute():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    computed(kv, "a", list(range(8)))
+    assert kv.find_prefix(ROOT_A, list(range(8))).num_tokens == 4  # not 8: the last page is recomputed
+    assert kv.find_prefix(ROOT_A, list(range(9))).num_tokens == 8
+
+
+def test_released_pages_stay_cached_until_evicted_tail_first():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    computed(kv, "a", [1, 2, 3, 4, 5, 6])  # pages 0, 1, 2, all full and indexed
+    kv.free("a")
+    assert kv.num_free_blocks == 4 and kv.pool.num_cached_blocks == 3
+    assert kv.find_prefix(ROOT_A, [1, 2, 3, 4, 5, 6, 7]).block_ids == [0, 1, 2]
+    kv.allocate_slots("b", 4)  # takes never-used page 3, then the chain's tail, page 2
+    assert kv.block_ids("b") == [3, 2]
+    assert kv.find_prefix(ROOT_A, [1, 2, 3, 4, 5, 6, 7]).block_ids == [0, 1]
+
+
+def test_namespaces_do_not_share_pages():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    computed(kv, "a", list(range(9)))
+    assert kv.find_prefix(namespace_root("model-1", "tenant-b"), list(range(9))).num_tokens == 0
+    assert kv.find_prefix(namespace_root("model-2", "tenant-a"), list(range(9))).num_tokens == 0
+    assert kv.find_prefix(ROOT_A, list(range(9))).num_tokens == 8
+
+
+def test_a_page_whose_tokens_do_not_match_its_hash_is_never_used():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    tokens = list(range(9))
+    kv.allocate_slots("a", 9)
+    # Plant page 1 under the hash of the right prefix but with other tokens.
+    hashes = hash_full_blocks(ROOT_A, tokens, 4)
+    kv.pool.cache(kv.block_ids("a")[0], hashes[0], tokens[0:4])
+    kv.pool.cache(kv.block_ids("a")[1], hashes[1], [7, 7, 7, 7])
+    hit = kv.find_prefix(ROOT_A, tokens)
+    assert hit.block_ids == [kv.block_ids("a")[0]] and kv.pool.num_token_mismatches == 1

@@ -5,16 +5,22 @@
         page 7: [t0 t1 t2 t3]   full
         page 2: [t4 t5 .  .]    partial: the next 2 tokens land here
 
-Pages are shared between sequences by reference count (`fork`). A shared page
-is read-only: before a sequence writes into a shared partial page, it gets a
-private copy (copy-on-write); the copy is returned in `Allocation.copies` and
-the caller performs it on the device before the step writes.
+Pages are shared between sequences by reference count: through the prefix
+index (`find_prefix` + `adopt_prefix`: full pages whose chained hash and tokens
+match) or by `fork`. A shared page is read-only: before a sequence writes into
+a shared partial page, it gets a private copy (copy-on-write); the copy is
+returned in `Allocation.copies` and the caller performs it on the device before
+the step writes. Full pages are indexed as soon as their tokens are computed
+(`commit`), so requests running at the same time already share them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from collections.abc import Sequence
+
+from kvtierd.cache.block_hash import BlockHash, hash_full_blocks
 from kvtierd.cache.block_pool import BlockPool
 from kvtierd.cache.page_table import PageTable
 
@@ -23,6 +29,13 @@ from kvtierd.cache.page_table import PageTable
 class Allocation:
     slots: list[int]  # one cache slot per new token, in order
     copies: list[tuple[int, int]]  # (src page, dst page) to copy before writing
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    block_ids: list[int]
+    block_hashes: list[BlockHash]
+    num_tokens: int
 
 
 class KVCacheManager:
@@ -68,12 +81,41 @@ class KVCacheManager:
         table.num_tokens += num_new_tokens
         return Allocation(slots=slots, copies=copies)
 
+    def find_prefix(self, root: BlockHash, token_ids: Sequence[int]) -> PrefixHit:
+        """The longest run of cached full pages that starts `token_ids`, leaving at
+        least one token to compute (its logits give the next token)."""
+        bs = self.block_size
+        usable = (len(token_ids) - 1) // bs
+        hashes = hash_full_blocks(root, token_ids[: usable * bs], bs)
+        chunks = [token_ids[i * bs : (i + 1) * bs] for i in range(usable)]
+        blocks = self.pool.lookup(hashes, chunks)
+        return PrefixHit(blocks, hashes[: len(blocks)], len(blocks) * bs)
+
+    def adopt_prefix(self, seq_id: str, hit: PrefixHit) -> None:
+        """Starts `seq_id`'s page table with the hit's pages (shared, read-only)."""
+        assert seq_id not in self._tables, f"sequence {seq_id} already has pages"
+        self.pool.touch(hit.block_ids)
+        self._tables[seq_id] = PageTable(self.block_size, list(hit.block_ids), hit.num_tokens, list(hit.block_hashes))
+
+    def commit(self, seq_id: str, root: BlockHash, token_ids: Sequence[int], num_computed: int) -> None:
+        """Indexes the pages of `seq_id` that the first `num_computed` tokens fill."""
+        table = self._tables[seq_id]
+        done = len(table.block_hashes)
+        parent = table.block_hashes[-1] if done else root
+        new = hash_full_blocks(parent, token_ids[: num_computed - num_computed % self.block_size], self.block_size, done)
+        bs = self.block_size
+        for i, h in enumerate(new, start=done):
+            self.pool.cache(table.block_ids[i], h, token_ids[i * bs : (i + 1) * bs])
+        table.block_hashes.extend(new)
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """Makes `child_id` share every page of `parent_id` (e.g. for n > 1 samples)."""
         parent = self._tables[parent_id]
         assert child_id not in self._tables, f"sequence {child_id} already has pages"
         self.pool.share(parent.block_ids)
-        self._tables[child_id] = PageTable(self.block_size, list(parent.block_ids), parent.num_tokens)
+        self._tables[child_id] = PageTable(
+            self.block_size, list(parent.block_ids), parent.num_tokens, list(parent.block_hashes)
+        )
 
     def free(self, seq_id: str) -> None:
         """Returns a sequence's pages; a no-op for a sequence that holds none."""

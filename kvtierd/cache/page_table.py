@@ -4,12 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtierd.cache.block_hash import BlockHash
+
 
 @dataclass(slots=True)
 class PageTable:
     block_size: int
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0  # tokens with a slot assigned (written or about to be)
+    block_hashes: list[BlockHash] = field(default_factory=list)  # of the leading full, computed pages
 
     def num_new_blocks(self, num_new_tokens: int) -> int:
         """Pages to add so `num_new_tokens` more tokens fit."""

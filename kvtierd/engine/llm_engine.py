@@ -10,6 +10,7 @@ import itertools
 import time
 from dataclasses import dataclass
 
+from kvtierd.cache.block_hash import namespace_root
 from kvtierd.cache.kv_cache_manager import KVCacheManager
 from kvtierd.engine.config import EngineConfig
 from kvtierd.engine.errors import RequestError
@@ -22,6 +23,15 @@ from kvtierd.model.detokenizer import IncrementalDetokenizer
 from kvtierd.model.loader import LoadedModel
 from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.geometry import KVGeometry
+
+
+@dataclass(slots=True)
+class EngineCounters:
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    generated_tokens: int = 0
+    preemptions: int = 0
 
 
 @dataclass(slots=True)
@@ -50,6 +60,7 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
+        self.counters = EngineCounters()
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------
@@ -79,7 +90,10 @@ class LLMEngine:
                 "max_tokens",
             )
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None) -> str:
+    def add_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = ""
+    ) -> str:
+        """Queues a request; its KV is shared only with requests of the same tenant."""
         self.validate(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -90,9 +104,12 @@ class LLMEngine:
             params=params,
             detokenizer=IncrementalDetokenizer(self.loaded.tokenizer, list(params.stop)),
             arrival_time=time.monotonic(),
+            cache_root=namespace_root(self.loaded.fingerprint, tenant),
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
+        self.counters.requests += 1
+        self.counters.prompt_tokens += req.num_prompt_tokens
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -122,8 +139,11 @@ class LLMEngine:
 
     def _advance(self, plan: StepPlan, sample_idx: list[int], logits) -> list[RequestOutput]:
         scheduled = plan.scheduled
+        self.counters.preemptions += len(plan.preempted)
         for s in scheduled:
-            s.request.num_computed_tokens += s.num_new_tokens
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.commit(req.request_id, req.cache_root, req.token_ids, req.num_computed_tokens)
         if not sample_idx:
             return []
         reqs = [scheduled[i].request for i in sample_idx]
@@ -137,6 +157,10 @@ class LLMEngine:
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestOutput:
         req.token_ids.append(token)
+        self.counters.generated_tokens += 1
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+            self.counters.cached_tokens += req.num_cached_tokens
         p = req.params
         text = req.detokenizer.push(token)
         if req.detokenizer.stopped or token in p.stop_token_ids:
@@ -158,6 +182,7 @@ class LLMEngine:
             finish_reason=req.finish_reason,
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
+            num_cached_tokens=req.num_cached_tokens,
         )
 
     # -- convenience ------------------------------------------------------------

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvtierd.cache.block_hash import BlockHash
 from kvtierd.engine.sampling_params import SamplingParams
 from kvtierd.model.detokenizer import IncrementalDetokenizer
 
@@ -36,6 +37,7 @@ class RequestOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_output_tokens: int
+    num_cached_tokens: int  # prompt tokens served from the cache, not recomputed
 
 
 @dataclass(slots=True)
@@ -50,8 +52,11 @@ class Request:
     params: SamplingParams
     detokenizer: IncrementalDetokenizer
     arrival_time: float
+    cache_root: BlockHash  # the namespace (model + tenant) its pages are hashed under
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
+    num_cached_tokens: int = -1  # prompt tokens found cached at first admission; -1 before it
+    first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0

@@ -2,7 +2,8 @@
 
 Running requests are served first, in admission order: a decode takes one
 token of the budget, an unfinished prefill takes as many as remain (chunked
-prefill). Waiting requests are admitted FIFO with what is left. When pages run
+prefill). Waiting requests are admitted FIFO with what is left; on admission a
+request adopts the longest cached prefix of its tokens and computes only the rest. When pages run
 out for a running request, the most recently admitted one is preempted: its
 pages are freed and it goes back to the head of the queue to be recomputed,
 which reproduces the same tokens.
@@ -96,15 +97,25 @@ class Scheduler:
         # No admissions in a step that had to preempt: memory is short.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not plan.preempted:
             req = self.waiting[0]
+            self._adopt_cached_prefix(req)
             n = min(req.num_pending_tokens, budget)
             alloc = self.kv.allocate_slots(req.request_id, n)
             if alloc is None:
+                self.kv.free(req.request_id)  # the adopted pages go back to the cache
+                req.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             self.running.append(req)
             self._add_to_plan(plan, ScheduledRequest(req, n, alloc))
             budget -= n
         return plan
+
+    def _adopt_cached_prefix(self, req: Request) -> None:
+        hit = self.kv.find_prefix(req.cache_root, req.token_ids)
+        self.kv.adopt_prefix(req.request_id, hit)
+        req.num_computed_tokens = hit.num_tokens
+        if req.num_cached_tokens < 0:  # what the client is told: the first admission's hit
+            req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
 
     def _add_to_plan(self, plan: StepPlan, s: ScheduledRequest) -> None:
         # Any single new token attends like a decode, whatever its phase.
