@@ -25,6 +25,9 @@ import torch
 
 from kvtierd.kernels.paged_batch import PagedBatch
 
+Tensor = torch.Tensor
+BlockIds = Tensor | Sequence[int]  # page ids: an int64 CUDA tensor, or a host list (bounds-checked)
+
 _DTYPE_SUFFIX = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
 _UNIT_SUFFIX = {16: "16b", 4: "4b", 2: "2b"}  # page-copy unit size in bytes
 
@@ -143,7 +146,7 @@ def _launch(name: str, device: torch.device, grid: tuple[int, ...], block: int, 
 
 
 # Kernel arguments: addresses and scalars with the exact C types of the parameters.
-def _ptr(t: torch.Tensor | None) -> np.uint64:
+def _ptr(t: Tensor | None) -> np.uint64:
     return np.uint64(0 if t is None else t.data_ptr())
 
 
@@ -158,17 +161,19 @@ def _check(ok: bool, message: str) -> None:
         raise RuntimeError(f"cuda_backend: {message}")
 
 
-def _check_caches(caches: Sequence[torch.Tensor]) -> None:
+def _check_caches(caches: Sequence[Tensor]) -> None:
+    _check(len(caches) > 0, "no caches given")
     first = caches[0]
     _check(first.is_cuda, "caches must be CUDA tensors")
     _check(first.dim() == 4, f"caches are [num_blocks, block_size, kv_heads, head_dim], got {tuple(first.shape)}")
     _check(first.dtype in _DTYPE_SUFFIX, f"unsupported cache dtype {first.dtype}")
     for c in caches:
-        _check(c.shape == first.shape and c.dtype == first.dtype and c.device == first.device, "caches differ in shape, dtype or device")
+        same = c.shape == first.shape and c.dtype == first.dtype and c.device == first.device
+        _check(same, "caches differ in shape, dtype or device")
         _check(c.is_contiguous(), "caches must be contiguous")
 
 
-def _check_rows(x: torch.Tensor, name: str, rows: int, heads: int, head_dim: int, like: torch.Tensor) -> None:
+def _check_rows(x: Tensor, name: str, rows: int, heads: int, head_dim: int, like: Tensor) -> None:
     """`x [rows, heads, head_dim]`, contiguous within a row; the row stride goes to the kernel."""
     _check(tuple(x.shape) == (rows, heads, head_dim), f"{name} is {tuple(x.shape)}, expected {(rows, heads, head_dim)}")
     _check(x.dtype == like.dtype and x.device == like.device, f"{name} must match the cache's dtype and device")
@@ -176,7 +181,7 @@ def _check_rows(x: torch.Tensor, name: str, rows: int, heads: int, head_dim: int
     _check(rows <= 1 or x.stride(0) >= heads * head_dim, f"{name}'s token rows overlap")
 
 
-def _check_index(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
+def _check_index(t: Tensor, name: str, dtype: torch.dtype, shape: tuple[int, ...], device: torch.device) -> None:
     _check(t.dtype == dtype and t.device == device, f"{name} must be {dtype} on {device}, got {t.dtype} on {t.device}")
     _check(tuple(t.shape) == shape, f"{name} is {tuple(t.shape)}, expected {shape}")
     _check(t.is_contiguous(), f"{name} must be contiguous")
@@ -185,7 +190,7 @@ def _check_index(t: torch.Tensor, name: str, dtype: torch.dtype, shape: tuple[in
 # --- cache write ------------------------------------------------------------------------------
 
 
-def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_kv(k_cache: Tensor, v_cache: Tensor, k: Tensor, v: Tensor, slot_mapping: Tensor) -> None:
     """Scatters new K/V `[num_tokens, kv_heads, head_dim]` into their slots (a negative slot is skipped)."""
     _check_caches((k_cache, v_cache))
     kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
@@ -212,7 +217,7 @@ class CudaPlan:
     num_partitions: int  # decode split-K factor: 1 means each block writes its output directly
     max_prefill_query_len: int
     # Split-K partials per (num_heads, head_dim); layers reuse them since they run in stream order.
-    _partials: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    _partials: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor]] = field(default_factory=dict)
 
     @classmethod
     def build(cls, batch: PagedBatch, partition_size: int = DEFAULT_PARTITION_SIZE) -> "CudaPlan":
@@ -223,7 +228,7 @@ class CudaPlan:
         max_prefill_query_len = max(batch.query_lens_host[nd:], default=0)
         return cls(batch, partition_size, num_partitions, max_prefill_query_len)
 
-    def partials(self, num_heads: int, head_dim: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def partials(self, num_heads: int, head_dim: int, device: torch.device) -> tuple[Tensor, Tensor, Tensor]:
         """(out [nd, heads, parts, head_dim], max [nd, heads, parts], sum [nd, heads, parts]), float32."""
         key = (num_heads, head_dim)
         if key not in self._partials:
@@ -236,7 +241,7 @@ class CudaPlan:
         return self._partials[key]
 
 
-def paged_attention(plan: CudaPlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+def paged_attention(plan: CudaPlan, q: Tensor, k_cache: Tensor, v_cache: Tensor, scale: float) -> Tensor:
     """Causal attention of `q [num_tokens, heads, head_dim]` over each sequence's pages.
 
     Query token j of a sequence with q_len new tokens and context_len cached
@@ -263,11 +268,12 @@ def paged_attention(plan: CudaPlan, q: torch.Tensor, k_cache: torch.Tensor, v_ca
     _check(num_heads <= _GRID_YZ_LIMIT and num_seqs <= _GRID_YZ_LIMIT, "too many heads or sequences for one launch")
 
     suffix = _DTYPE_SUFFIX[q.dtype]
-    geometry = (_i64(q.stride(0)), _f32(scale), _i32(num_heads), _i32(kv_heads), _i32(head_dim), _i32(block_size), _i32(max_blocks))
+    geometry = (_i64(q.stride(0)), _f32(scale), _i32(num_heads), _i32(kv_heads), _i32(head_dim),
+                _i32(block_size), _i32(max_blocks))  # fmt: skip
     tensors = (_ptr(q), _ptr(k_cache), _ptr(v_cache), _ptr(batch.block_tables))
     nd = batch.num_decodes
     if nd:
-        _decode(plan, suffix, out, tensors, geometry, num_heads, head_dim)
+        _decode(plan, suffix, out, tensors, geometry)
     num_prefills = num_seqs - nd
     num_tiles = -(-plan.max_prefill_query_len // _PREFILL_ROWS)
     if num_prefills and num_tiles:
@@ -275,13 +281,14 @@ def paged_attention(plan: CudaPlan, q: torch.Tensor, k_cache: torch.Tensor, v_ca
         floats = _PREFILL_ROWS * head_dim + _KEY_TILE * (head_dim + 1) + _KEY_TILE * head_dim
         shared = 8 * _KEY_TILE + 4 * floats
         args = (_ptr(out), *tensors, _ptr(batch.query_start_loc), _ptr(batch.context_lens), *geometry, _i32(nd))
-        _launch(f"paged_prefill_attention_{suffix}", q.device, (num_tiles, num_heads, num_prefills), _PREFILL_THREADS, args, shared)
+        grid = (num_tiles, num_heads, num_prefills)
+        _launch(f"paged_prefill_attention_{suffix}", q.device, grid, _PREFILL_THREADS, args, shared)
     return out
 
 
-def _decode(plan: CudaPlan, suffix: str, out: torch.Tensor, tensors: tuple, geometry: tuple, num_heads: int, head_dim: int) -> None:
+def _decode(plan: CudaPlan, suffix: str, out: Tensor, tensors: tuple, geometry: tuple) -> None:
     batch, parts = plan.batch, plan.num_partitions
-    nd = batch.num_decodes
+    nd, num_heads, head_dim = batch.num_decodes, out.shape[1], out.shape[2]
     _check(parts <= _GRID_YZ_LIMIT, "context too long for the decode partition size")
     part_out = part_max = part_sum = None
     if parts > 1:
@@ -294,15 +301,16 @@ def _decode(plan: CudaPlan, suffix: str, out: torch.Tensor, tensors: tuple, geom
     if parts > 1:
         args = (_ptr(out), _ptr(part_out), _ptr(part_max), _ptr(part_sum), _ptr(batch.context_lens),
                 _i32(num_heads), _i32(head_dim), _i32(plan.partition_size), _i32(parts))  # fmt: skip
-        _launch(f"paged_decode_reduce_{suffix}", out.device, (num_heads, nd), _DECODE_THREADS, args, 4 * (parts + _DECODE_WARPS))
+        shared = 4 * (parts + _DECODE_WARPS)  # partition weights + reduction scratch
+        _launch(f"paged_decode_reduce_{suffix}", out.device, (num_heads, nd), _DECODE_THREADS, args, shared)
 
 
 # --- page moves -------------------------------------------------------------------------------
 
-_address_tables: dict[tuple[int, tuple[int, ...]], torch.Tensor] = {}  # pools are long-lived: build each table once
+_address_tables: dict[tuple[int, tuple[int, ...]], Tensor] = {}  # pools are long-lived: build each table once
 
 
-def _addresses(caches: Sequence[torch.Tensor]) -> torch.Tensor:
+def _addresses(caches: Sequence[Tensor]) -> Tensor:
     device = caches[0].device
     key = (device.index, tuple(c.data_ptr() for c in caches))
     table = _address_tables.get(key)
@@ -311,17 +319,17 @@ def _addresses(caches: Sequence[torch.Tensor]) -> torch.Tensor:
     return table
 
 
-def _block_ids(ids: torch.Tensor | Sequence[int], name: str, caches: Sequence[torch.Tensor]) -> torch.Tensor:
+def _block_ids(ids: BlockIds, name: str, caches: Sequence[Tensor]) -> Tensor:
     """Page ids as an int64 device tensor; ids given as a list are also bounds-checked here."""
     num_blocks = caches[0].shape[0]
-    if not isinstance(ids, torch.Tensor):
+    if not isinstance(ids, Tensor):
         _check(all(0 <= i < num_blocks for i in ids), f"{name} holds a page id outside 0..{num_blocks - 1}")
-        ids = torch.tensor(list(ids), dtype=torch.int64).to(caches[0].device, non_blocking=True)
+        ids = torch.tensor(list(ids), dtype=torch.int64, device=caches[0].device)
     _check_index(ids, name, torch.int64, (ids.numel(),), caches[0].device)
     return ids
 
 
-def _copy_unit(caches: Sequence[torch.Tensor], *others: torch.Tensor) -> int:
+def _copy_unit(caches: Sequence[Tensor], *others: Tensor) -> int:
     """16-byte units when every page and base address allows it, else the element size."""
     first = caches[0]
     page_bytes = first[0].numel() * first.element_size()
@@ -329,13 +337,15 @@ def _copy_unit(caches: Sequence[torch.Tensor], *others: torch.Tensor) -> int:
     return 16 if page_bytes % 16 == 0 and aligned else first.element_size()
 
 
-def _page_units(caches: Sequence[torch.Tensor], unit: int) -> np.int64:
+def _page_units(caches: Sequence[Tensor], unit: int) -> np.int64:
     return _i64(caches[0][0].numel() * caches[0].element_size() // unit)
 
 
-def copy_blocks(caches: Sequence[torch.Tensor], src_ids: torch.Tensor | Sequence[int], dst_ids: torch.Tensor | Sequence[int]) -> None:
-    """Copy-on-write: page src_ids[i] -> page dst_ids[i] in every cache. No page may be both a source and a destination."""
-    _check(len(caches) > 0, "no caches given")
+def copy_blocks(caches: Sequence[Tensor], src_ids: BlockIds, dst_ids: BlockIds) -> None:
+    """Copy-on-write: page src_ids[i] -> page dst_ids[i] in every cache.
+
+    No page may be both a source and a destination in one call.
+    """
     _check_caches(caches)
     src = _block_ids(src_ids, "src_ids", caches)
     dst = _block_ids(dst_ids, "dst_ids", caches)
@@ -347,13 +357,12 @@ def copy_blocks(caches: Sequence[torch.Tensor], src_ids: torch.Tensor | Sequence
     _launch(f"copy_blocks_{_UNIT_SUFFIX[unit]}", caches[0].device, (src.numel(), len(caches)), _COPY_THREADS, args)
 
 
-def gather_blocks(caches: Sequence[torch.Tensor], block_ids: torch.Tensor | Sequence[int], staging: torch.Tensor | None = None) -> torch.Tensor:
+def gather_blocks(caches: Sequence[Tensor], block_ids: BlockIds, staging: Tensor | None = None) -> Tensor:
     """Copies pages `block_ids` of every cache into `staging [num_ids, num_caches, block_size, kv_heads, head_dim]`.
 
     Allocates `staging` when not given; returns it. One block's KV across all
     caches is `staging[i]`, contiguous, ready for one copy to a lower tier.
     """
-    _check(len(caches) > 0, "no caches given")
     _check_caches(caches)
     ids = _block_ids(block_ids, "block_ids", caches)
     shape = (ids.numel(), len(caches), *caches[0].shape[1:])
@@ -363,23 +372,25 @@ def gather_blocks(caches: Sequence[torch.Tensor], block_ids: torch.Tensor | Sequ
     if ids.numel():
         unit = _copy_unit(caches, staging)
         args = (_ptr(_addresses(caches)), _ptr(ids), _ptr(staging), _page_units(caches, unit))
-        _launch(f"gather_blocks_{_UNIT_SUFFIX[unit]}", caches[0].device, (ids.numel(), len(caches)), _COPY_THREADS, args)
+        grid = (ids.numel(), len(caches))
+        _launch(f"gather_blocks_{_UNIT_SUFFIX[unit]}", caches[0].device, grid, _COPY_THREADS, args)
     return staging
 
 
-def scatter_blocks(caches: Sequence[torch.Tensor], block_ids: torch.Tensor | Sequence[int], staging: torch.Tensor) -> None:
+def scatter_blocks(caches: Sequence[Tensor], block_ids: BlockIds, staging: Tensor) -> None:
     """The inverse of `gather_blocks`: `staging[i, c]` -> page `block_ids[i]` of cache c."""
-    _check(len(caches) > 0, "no caches given")
     _check_caches(caches)
     ids = _block_ids(block_ids, "block_ids", caches)
     _check_staging(staging, (ids.numel(), len(caches), *caches[0].shape[1:]), caches)
     if ids.numel():
         unit = _copy_unit(caches, staging)
         args = (_ptr(_addresses(caches)), _ptr(ids), _ptr(staging), _page_units(caches, unit))
-        _launch(f"scatter_blocks_{_UNIT_SUFFIX[unit]}", caches[0].device, (ids.numel(), len(caches)), _COPY_THREADS, args)
+        grid = (ids.numel(), len(caches))
+        _launch(f"scatter_blocks_{_UNIT_SUFFIX[unit]}", caches[0].device, grid, _COPY_THREADS, args)
 
 
-def _check_staging(staging: torch.Tensor, shape: tuple[int, ...], caches: Sequence[torch.Tensor]) -> None:
+def _check_staging(staging: Tensor, shape: tuple[int, ...], caches: Sequence[Tensor]) -> None:
     _check(tuple(staging.shape) == shape, f"staging is {tuple(staging.shape)}, expected {shape}")
-    _check(staging.dtype == caches[0].dtype and staging.device == caches[0].device, "staging must match the caches' dtype and device")
+    same = staging.dtype == caches[0].dtype and staging.device == caches[0].device
+    _check(same, "staging must match the caches' dtype and device")
     _check(staging.is_contiguous(), "staging must be contiguous")

@@ -127,6 +127,29 @@ class SessionStore:
         with self._db_errors(), self._sessions.begin() as db:
             return [_session_record(row) for row in db.scalars(query)]
 
+    def list_all_sessions(self, limit: int = 100) -> list[SessionRecord]:
+        """Every tenant's sessions, most recently used first: for administrators only."""
+        if limit < 1:
+            raise StoreArgumentError(f"limit must be at least 1, got {limit}")
+        query = sa.select(SessionRow).order_by(SessionRow.last_used_at.desc(), SessionRow.id).limit(limit)
+        with self._db_errors(), self._sessions.begin() as db:
+            return [_session_record(row) for row in db.scalars(query)]
+
+    def tenant_of(self, session_id: str) -> str | None:
+        """The owner of a session (for administrators, who then use the tenant's calls)."""
+        with self._db_errors(), self._sessions.begin() as db:
+            return db.scalar(sa.select(SessionRow.tenant).where(SessionRow.id == session_id))
+
+    def count_messages(self, session_ids: list[str]) -> dict[str, int]:
+        query = (
+            sa.select(MessageRow.session_id, sa.func.count())
+            .where(MessageRow.session_id.in_(session_ids))
+            .group_by(MessageRow.session_id)
+        )
+        with self._db_errors(), self._sessions.begin() as db:
+            counts = {sid: n for sid, n in db.execute(query)}
+        return {sid: counts.get(sid, 0) for sid in session_ids}
+
     def get_session(self, tenant: str, session_id: str) -> SessionRecord | None:
         """The session, or None when it does not exist or belongs to another tenant."""
         with self._db_errors(), self._sessions.begin() as db:

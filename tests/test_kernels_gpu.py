@@ -220,8 +220,9 @@ def test_argument_checks_reject_bad_layouts():
     q = torch.zeros(1, 2, 8, device="cuda", dtype=torch.float16)
     with pytest.raises(RuntimeError, match="dtype"):
         cuda.paged_attention(plan, q.float(), cache, cache, 1.0)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        cuda.paged_attention(plan, q, cache.transpose(2, 3), cache.transpose(2, 3), 1.0)
+    strided = torch.zeros(num_blocks, 4, 1, 16, device="cuda", dtype=torch.float16)[..., :8]
+    with pytest.raises(RuntimeError, match="caches must be contiguous"):
+        cuda.paged_attention(plan, q, strided, strided, 1.0)
     with pytest.raises(RuntimeError, match="contiguous within"):
         cuda.paged_attention(plan, torch.zeros(1, 8, 2, device="cuda", dtype=torch.float16).transpose(1, 2), cache, cache, 1.0)
     with pytest.raises(RuntimeError, match="page id"):

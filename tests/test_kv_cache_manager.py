@@ -189,7 +189,7 @@ def test_a_page_whose_tokens_do_not_match_its_hash_is_never_used():
     kv.allocate_slots("a", 9)
     # Plant page 1 under the hash of the right prefix but with other tokens.
     hashes = hash_full_blocks(ROOT_A, tokens, 4)
-    kv.pool.cache(kv.block_ids("a")[0], hashes[0], tokens[0:4])
-    kv.pool.cache(kv.block_ids("a")[1], hashes[1], [7, 7, 7, 7])
+    kv.pool.cache(kv.block_ids("a")[0], hashes[0], tokens[0:4], ROOT_A)
+    kv.pool.cache(kv.block_ids("a")[1], hashes[1], [7, 7, 7, 7], ROOT_A)
     hit = kv.find_prefix(ROOT_A, tokens)
     assert hit.block_ids == [kv.block_ids("a")[0]] and kv.pool.num_token_mismatches == 1

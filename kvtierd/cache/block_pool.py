@@ -29,6 +29,7 @@ class BlockPool:
         self._by_hash: dict[BlockHash, int] = {}
         self._hash_of: dict[int, BlockHash] = {}
         self._tokens_of: dict[int, tuple[int, ...]] = {}
+        self._root_of: dict[int, BlockHash] = {}  # the namespace a cached page belongs to
         self.hits: dict[int, int] = {}
         self.last_access: dict[int, float] = {}
         self.num_token_mismatches = 0
@@ -90,13 +91,14 @@ class BlockPool:
                 self._free[b] = None
                 self.last_access[b] = now
 
-    def cache(self, block_id: int, block_hash: BlockHash, tokens: Sequence[int]) -> None:
+    def cache(self, block_id: int, block_hash: BlockHash, tokens: Sequence[int], root: BlockHash) -> None:
         """Indexes a full page under its hash (the first page with a hash keeps it)."""
         if block_hash in self._by_hash or block_id in self._hash_of:
             return
         self._by_hash[block_hash] = block_id
         self._hash_of[block_id] = block_hash
         self._tokens_of[block_id] = tuple(tokens)
+        self._root_of[block_id] = root
         self.last_access[block_id] = time.monotonic()
 
     def lookup(self, hashes: Sequence[BlockHash], token_chunks: Sequence[Sequence[int]]) -> list[int]:
@@ -112,13 +114,23 @@ class BlockPool:
             found.append(b)
         return found
 
-    def cached_blocks(self) -> list[tuple[int, BlockHash, tuple[int, ...]]]:
-        return [(b, h, self._tokens_of[b]) for b, h in self._hash_of.items()]
+    def evict(self, block_id: int) -> bool:
+        """Forgets an idle cached page now and puts it first in line for reuse."""
+        if self._ref_counts[block_id] != 0 or block_id not in self._hash_of:
+            return False
+        self._forget(block_id)
+        self._free.move_to_end(block_id, last=False)
+        return True
+
+    def cached_blocks(self) -> list[tuple[int, BlockHash, BlockHash, tuple[int, ...]]]:
+        """(page, hash, namespace root, tokens) of every indexed page."""
+        return [(b, h, self._root_of[b], self._tokens_of[b]) for b, h in self._hash_of.items()]
 
     def _forget(self, block_id: int) -> None:
         h = self._hash_of.pop(block_id, None)
         if h is not None:
             del self._by_hash[h]
             del self._tokens_of[block_id]
+            del self._root_of[block_id]
         self.hits.pop(block_id, None)
         self.last_access.pop(block_id, None)

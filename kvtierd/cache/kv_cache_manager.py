@@ -105,8 +105,16 @@ class KVCacheManager:
         new = hash_full_blocks(parent, token_ids[: num_computed - num_computed % self.block_size], self.block_size, done)
         bs = self.block_size
         for i, h in enumerate(new, start=done):
-            self.pool.cache(table.block_ids[i], h, token_ids[i * bs : (i + 1) * bs])
+            self.pool.cache(table.block_ids[i], h, token_ids[i * bs : (i + 1) * bs], root)
         table.block_hashes.extend(new)
+
+    def evict_prefix(self, root: BlockHash, token_ids: Sequence[int]) -> int:
+        """Evicts the idle cached pages of `token_ids`' chain; returns how many."""
+        bs = self.block_size
+        n = len(token_ids) // bs
+        hashes = hash_full_blocks(root, token_ids[: n * bs], bs)
+        blocks = self.pool.lookup(hashes, [token_ids[i * bs : (i + 1) * bs] for i in range(n)])
+        return sum(self.pool.evict(b) for b in blocks)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Makes `child_id` share every page of `parent_id` (e.g. for n > 1 samples)."""

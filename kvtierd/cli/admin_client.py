@@ -7,8 +7,8 @@ code, so the CLI prints a single line and never a traceback:
             timeout, the connection dropped, or an answer that is not kvtierd's JSON
     exit 1  kvtierd answered with an error status (4xx/5xx), e.g. 403 for admin routes
 
-`default_socket_path()` is the one place the default socket location is decided; the
-daemon imports it too, so `kvtierd serve` and `kvtierctl` agree without configuration.
+`default_socket_path()` (kvtierd.server.paths) decides the default socket location for
+both `kvtierd serve` and `kvtierctl`, so they agree without configuration.
 """
 
 from __future__ import annotations
@@ -22,30 +22,14 @@ from typing import Any
 
 import httpx
 
-SOCKET_NAME = "kvtierd.sock"
+from kvtierd.server.paths import default_socket_path
+
 SOCKET_ENV = "KVTIERD_SOCKET"
 # The Host header the daemon sees; over a Unix socket the name only has to be valid.
 BASE_URL = "http://kvtierd"
 
 EXIT_DAEMON_ERROR = 1
 EXIT_CONNECTION = 2
-
-
-def default_socket_path(environ: Mapping[str, str] | None = None) -> Path:
-    """Where the daemon listens when nobody says otherwise.
-
-    `$RUNTIME_DIRECTORY/kvtierd.sock` (systemd's RuntimeDirectory=; the first entry if it
-    lists several), else `$XDG_RUNTIME_DIR/kvtierd/kvtierd.sock`, else
-    `/tmp/kvtierd-<uid>/kvtierd.sock`. Empty variables count as unset.
-    """
-    env = os.environ if environ is None else environ
-    runtime_directory = env.get("RUNTIME_DIRECTORY", "").split(":")[0]
-    if runtime_directory:
-        return Path(runtime_directory) / SOCKET_NAME
-    xdg_runtime_dir = env.get("XDG_RUNTIME_DIR", "")
-    if xdg_runtime_dir:
-        return Path(xdg_runtime_dir) / "kvtierd" / SOCKET_NAME
-    return Path(f"/tmp/kvtierd-{os.getuid()}") / SOCKET_NAME
 
 
 def resolve_socket_path(explicit: str | os.PathLike[str] | None, environ: Mapping[str, str] | None = None) -> Path:

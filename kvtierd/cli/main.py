@@ -55,6 +55,37 @@ def _params(max_tokens: int, temperature: float, top_p: float, seed: int | None)
 
 
 @app.command()
+def serve(
+    config: Annotated[Optional[Path], typer.Option("--config", help="A TOML settings file.")] = None,
+    socket: Annotated[Optional[str], typer.Option("--socket", help="Unix socket path.")] = None,
+    state_dir: Annotated[Optional[str], typer.Option("--state-dir", help="State directory (SQLite, LMDB).")] = None,
+    model: ModelOpt = None,
+    device: Annotated[Optional[str], typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = None,
+) -> None:
+    """Run the daemon in the foreground (settings: TOML file < KVTIERD_* env < flags)."""
+    import asyncio
+    import logging
+
+    from kvtierd.model.errors import ModelLoadError
+    from kvtierd.server.daemon import serve as run_daemon
+    from kvtierd.server.settings import SettingsError, load_settings
+    from kvtierd.server.unix_socket import SocketBindError
+    from kvtierd.storage.store_errors import SessionStoreError
+
+    try:
+        settings = load_settings(config, overrides={"socket": socket, "state_dir": state_dir, "model": model, "device": device})
+    except SettingsError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        asyncio.run(run_daemon(settings))
+    except (ModelLoadError, SocketBindError, SessionStoreError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from e
+
+
+@app.command()
 def generate(
     prompt: Annotated[str, typer.Argument(help="The user message (or raw text with --raw).")],
     model: ModelOpt = None,
@@ -101,5 +132,5 @@ def main() -> None:  # pragma: no cover - console entry
     app()
 
 
-if __name__ == "__main__":  # pragma: no cover
+if __name__ == "__main__":
     main()

@@ -14,6 +14,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 from kvtierd.engine.errors import EngineStoppedError
 from kvtierd.engine.llm_engine import LLMEngine
@@ -21,6 +22,7 @@ from kvtierd.engine.request import RequestOutput
 from kvtierd.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class AsyncEngine:
@@ -54,7 +56,7 @@ class AsyncEngine:
         return len(self._queues)
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = ""
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; leaving the iteration early cancels it.
 
@@ -65,7 +67,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._edit(lambda: self.engine.add_request(prompt_token_ids, params, request_id))
+        self._edit(lambda: self.engine.add_request(prompt_token_ids, params, request_id, tenant))
         finished = False
         try:
             while True:
@@ -80,6 +82,19 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self._edit(lambda: self.engine.abort_request(request_id))
+
+    async def call(self, fn: Callable[[], T]) -> T:
+        """Runs `fn` on the engine between steps and returns its result."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+
+        def run() -> None:
+            try:
+                future.set_result(fn())
+            except Exception as e:
+                future.set_exception(e)
+
+        self._edit(run)
+        return await future
 
     def _edit(self, change: Callable[[], None]) -> None:
         if self._stepping:

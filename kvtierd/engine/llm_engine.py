@@ -61,6 +61,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         self.counters = EngineCounters()
+        self.namespaces: dict[bytes, str] = {}  # cache root -> tenant, for reports
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------
@@ -104,7 +105,7 @@ class LLMEngine:
             params=params,
             detokenizer=IncrementalDetokenizer(self.loaded.tokenizer, list(params.stop)),
             arrival_time=time.monotonic(),
-            cache_root=namespace_root(self.loaded.fingerprint, tenant),
+            cache_root=self._root(tenant),
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -118,6 +119,15 @@ class LLMEngine:
         if req is not None:
             req.finish_reason = FinishReason.ABORT
             self.scheduler.remove(req)
+
+    def drop_cached_prefix(self, token_ids: list[int], tenant: str = "") -> int:
+        """Evicts the idle cached pages holding `token_ids` for `tenant`; returns how many."""
+        return self.kv.evict_prefix(self._root(tenant), token_ids)
+
+    def _root(self, tenant: str) -> bytes:
+        root = namespace_root(self.loaded.fingerprint, tenant)
+        self.namespaces.setdefault(root, tenant)
+        return root
 
     def has_unfinished(self) -> bool:
         return bool(self.requests)
@@ -183,6 +193,7 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            queue_s=(req.first_scheduled_time or req.arrival_time) - req.arrival_time,
         )
 
     # -- convenience ------------------------------------------------------------

@@ -38,6 +38,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the cache, not recomputed
+    queue_s: float  # from arrival to first being scheduled
 
 
 @dataclass(slots=True)
@@ -56,6 +57,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found cached at first admission; -1 before it
+    first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None

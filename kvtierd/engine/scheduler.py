@@ -11,6 +11,7 @@ which reproduces the same tokens.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -116,6 +117,7 @@ class Scheduler:
         req.num_computed_tokens = hit.num_tokens
         if req.num_cached_tokens < 0:  # what the client is told: the first admission's hit
             req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
+            req.first_scheduled_time = time.monotonic()
 
     def _add_to_plan(self, plan: StepPlan, s: ScheduledRequest) -> None:
         # Any single new token attends like a decode, whatever its phase.

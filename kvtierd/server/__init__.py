@@ -1,0 +1,1 @@
+"""The daemon: an aiohttp app on a Unix socket, its settings and its routes."""

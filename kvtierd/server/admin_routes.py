@@ -1,0 +1,138 @@
+"""Admin routes (root or the admin group only): what kvtierctl shows."""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from kvtierd import __version__
+from kvtierd.server.errors import ApiError
+from kvtierd.server.session_routes import query_limit, drop_session_kv, message_json, session_json
+from kvtierd.server.state import STATE, DaemonState
+
+routes = web.RouteTableDef()
+
+
+def engine_status(state: DaemonState) -> dict:
+    eng = state.engine.engine
+    pool = eng.kv.pool
+    return {
+        "attention_backend": "torch-reference",
+        "running": len(eng.scheduler.running),
+        "waiting": len(eng.scheduler.waiting),
+        "block_size": eng.config.block_size,
+        "num_blocks": pool.num_blocks,
+        "free_blocks": pool.num_free_blocks,
+        "cached_blocks": pool.num_cached_blocks,
+        "used_blocks": pool.num_used_blocks,
+    }
+
+
+@routes.get("/admin/status")
+async def status(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    lm = state.loaded
+    return web.json_response({
+        "version": __version__,
+        "uptime_s": time.monotonic() - state.started,
+        "socket": str(state.settings.socket),
+        "state_dir": str(state.settings.state_dir),
+        "model": {"name": lm.name, "fingerprint": lm.fingerprint, "architecture": lm.config.architecture,
+                  "num_layers": lm.config.num_layers, "device": str(lm.model.device),
+                  "dtype": str(lm.model.dtype).removeprefix("torch."),
+                  "context_window": state.engine.engine.max_model_len},
+        "engine": engine_status(state),
+        "draining": state.draining,
+    })
+
+
+@routes.get("/admin/tiers")
+async def tiers(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    eng = state.engine.engine
+    pool = eng.kv.pool
+    c = eng.counters
+    page_bytes = eng.geometry.bytes_per_block
+    idle_cached = sum(1 for b, *_ in pool.cached_blocks() if pool.ref_count(b) == 0)
+    return web.json_response({"tiers": [{
+        "name": "device",
+        "capacity_bytes": pool.num_blocks * page_bytes,
+        "used_bytes": pool.num_used_blocks * page_bytes,
+        "pages_total": pool.num_blocks,
+        "pages_used": pool.num_used_blocks,
+        "pages_cached": idle_cached,
+        "pages_free": pool.num_free_blocks - idle_cached,
+        "query_tokens": c.prompt_tokens,
+        "hit_tokens": c.cached_tokens,
+        "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+    }]})
+
+
+@routes.get("/admin/stats")
+async def stats(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    c = state.engine.engine.counters
+    return web.json_response({
+        "requests": c.requests, "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
+        "generated_tokens": c.generated_tokens, "preemptions": c.preemptions,
+        "errors_4xx": state.counters.errors_4xx, "errors_5xx": state.counters.errors_5xx,
+        "active_streams": state.counters.active_streams,
+    })
+
+
+@routes.get("/admin/prefixes")
+async def prefixes(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    eng = state.engine.engine
+    pool = eng.kv.pool
+    now = time.monotonic()
+    rows = sorted(pool.cached_blocks(), key=lambda r: (-pool.hits.get(r[0], 0), -pool.last_access.get(r[0], 0)))
+    return web.json_response({"prefixes": [
+        {"hash": h.hex(), "namespace": eng.namespaces.get(root, root.hex()[:12]), "num_tokens": len(tokens),
+         "ref_count": pool.ref_count(b), "hits": pool.hits.get(b, 0),
+         "last_access_s_ago": now - pool.last_access.get(b, now),
+         "preview": state.loaded.tokenizer.decode(list(tokens))[:80]}
+        for b, h, root, tokens in rows[: query_limit(request)]
+    ]})
+
+
+@routes.get("/admin/sessions")
+async def admin_sessions(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tenant = request.query.get("tenant")
+    limit = query_limit(request)
+    if tenant:
+        sessions = await state.db(state.store.list_sessions, tenant, limit)
+    else:
+        sessions = await state.db(state.store.list_all_sessions, limit)
+    counts = await state.db(state.store.count_messages, [s.id for s in sessions])
+    return web.json_response({"sessions": [session_json(s, counts[s.id]) for s in sessions]})
+
+
+async def _any_session(request: web.Request):
+    state = request.app[STATE]
+    sid = request.match_info["session_id"]
+    tenant = await state.db(state.store.tenant_of, sid)
+    session = tenant and await state.db(state.store.get_session, tenant, sid)
+    if not session:
+        raise ApiError(404, f"no session {sid!r}", code="session_not_found")
+    return session
+
+
+@routes.get("/admin/sessions/{session_id}")
+async def admin_session(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    session = await _any_session(request)
+    messages = await state.db(state.store.messages, session.tenant, session.id)
+    return web.json_response({"session": session_json(session, len(messages)),
+                              "messages": [message_json(m) for m in messages]})
+
+
+@routes.delete("/admin/sessions/{session_id}")
+async def admin_delete_session(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    session = await _any_session(request)
+    freed = await drop_session_kv(request, session)
+    deleted = await state.db(state.store.delete_session, session.tenant, session.id)
+    return web.json_response({"deleted": deleted, "freed_blocks": freed})

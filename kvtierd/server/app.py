@@ -1,0 +1,39 @@
+"""The aiohttp application: routes, middleware, and the engine's lifetime."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from kvtierd.server import admin_routes, chat_routes, openapi, session_routes
+from kvtierd.server.middleware import errors_middleware, peer_middleware
+from kvtierd.server.state import STATE, DaemonState
+
+health_routes = web.RouteTableDef()
+
+
+@health_routes.get("/healthz")
+async def healthz(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    eng = state.engine.engine
+    return web.json_response({"status": "ok", "model": state.model_id,
+                              "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting)})
+
+
+async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    await state.engine.start()
+    yield
+    await state.engine.stop()
+    state.store.close()
+
+
+def make_app(state: DaemonState) -> web.Application:
+    app = web.Application(client_max_size=state.settings.max_body_bytes,
+                          middlewares=[errors_middleware, peer_middleware])
+    app[STATE] = state
+    for table in (chat_routes.routes, session_routes.routes, admin_routes.routes, openapi.routes, health_routes):
+        app.add_routes(table)
+    app.cleanup_ctx.append(_engine_lifetime)
+    return app

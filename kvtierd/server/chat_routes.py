@@ -1,0 +1,114 @@
+"""OpenAI-compatible routes: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from aiohttp import web
+
+from kvtierd.server import openai_format as fmt
+from kvtierd.server.conversation import Turn, prepare_chat_turn, record_turn
+from kvtierd.server.errors import ApiError
+from kvtierd.server.generation import Generation
+from kvtierd.server.middleware import read_json
+from kvtierd.server.schemas import GenerationOptions, parse_chat, parse_completion
+from kvtierd.server.sse import open_stream, send
+from kvtierd.server.state import STATE, DaemonState
+
+routes = web.RouteTableDef()
+
+
+def check_model(state: DaemonState, model: str | None) -> None:
+    if model not in (None, state.model_id, "default"):
+        raise ApiError(404, f"model {model!r} is not served here; GET /v1/models lists {state.model_id!r}",
+                       param="model", code="model_not_found")
+
+
+@routes.get("/v1/models")
+async def list_models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return web.json_response({"object": "list", "data": [model_card(state)]})
+
+
+def model_card(state: DaemonState) -> dict:
+    return {"id": state.model_id, "object": "model", "created": int(time.time() - (time.monotonic() - state.started)),
+            "owned_by": "kvtierd", "context_window": state.engine.engine.max_model_len}
+
+
+@routes.post("/v1/chat/completions")
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = parse_chat(await read_json(request), state.settings.default_max_tokens)
+    check_model(state, req.model)
+    turn = await prepare_chat_turn(state, request["tenant"], req.messages, req.session_id)
+    return await respond_chat(request, state, turn, req.options)
+
+
+async def respond_chat(request: web.Request, state: DaemonState, turn: Turn, options: GenerationOptions) -> web.StreamResponse:
+    """Runs a chat turn and answers it, streamed or whole; records it in its session if any."""
+    tok = state.loaded.tokenizer
+    gen = Generation(state.engine, turn.prompt_ids, options.params, request["tenant"])
+    rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id
+    extra = {"priority": options.priority, **({"session_id": turn.session_id} if turn.session_id else {})}
+    if not options.stream:
+        result = await gen.run()
+        await record_turn(state, request["tenant"], turn, result)
+        logprobs = fmt.chat_logprobs(tok, result.logprobs) if options.params.logprobs else None
+        return web.json_response(fmt.chat_completion(rid, created, model, result.text, result.finish_reason, logprobs,
+                                                     result.usage(), result.kvtierd_info(**extra)))
+
+    response = await open_stream(request)
+    state.counters.active_streams += 1
+    try:
+        await send(response, fmt.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
+        async for out in gen.outputs():
+            logprobs = fmt.chat_logprobs(tok, out.logprobs) if options.params.logprobs else None
+            finish = out.finish_reason.value if out.finished else None
+            if out.text or logprobs or finish:
+                await send(response, fmt.chat_chunk(rid, created, model, {"content": out.text} if out.text else {},
+                                                    finish, logprobs))
+        if options.include_usage:
+            await send(response, fmt.usage_chunk(rid, created, model, gen.result.usage(),
+                                                 gen.result.kvtierd_info(**extra), "chat.completion.chunk"))
+        await send(response, "[DONE]")
+    finally:
+        state.counters.active_streams -= 1
+        # A client gone mid-stream leaves a turn marked interrupted, never a half-written one.
+        await record_turn(state, request["tenant"], turn, gen.result)
+    return response
+
+
+@routes.post("/v1/completions")
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    req = parse_completion(await read_json(request), state.settings.default_max_tokens)
+    check_model(state, req.model)
+    tok = state.loaded.tokenizer
+    prompt_ids = req.prompt_ids if req.prompt_ids is not None else tok.encode(req.prompt_text)
+    options = req.options
+    gen = Generation(state.engine, prompt_ids, options.params, request["tenant"])
+    rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id
+    extra = {"priority": options.priority}
+    if not options.stream:
+        result = await gen.run()
+        logprobs = fmt.completion_logprobs(tok, result.logprobs) if options.params.logprobs else None
+        return web.json_response(fmt.text_completion(rid, created, model, result.text, result.finish_reason,
+                                                     logprobs, result.usage(), result.kvtierd_info(**extra)))
+    response = await open_stream(request)
+    state.counters.active_streams += 1
+    try:
+        offset = 0
+        async for out in gen.outputs():
+            logprobs = fmt.completion_logprobs(tok, out.logprobs, offset) if options.params.logprobs else None
+            offset += len(out.text)
+            finish = out.finish_reason.value if out.finished else None
+            if out.text or logprobs or finish:
+                await send(response, fmt.text_completion(rid, created, model, out.text, finish, logprobs, None, None))
+        if options.include_usage:
+            await send(response, fmt.usage_chunk(rid, created, model, gen.result.usage(),
+                                                 gen.result.kvtierd_info(**extra), "text_completion"))
+        await send(response, "[DONE]")
+    finally:
+        state.counters.active_streams -= 1
+    return response

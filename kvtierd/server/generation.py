@@ -1,0 +1,75 @@
+"""One request's run through the engine, accumulated into what the API reports."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kvtierd.engine.async_engine import AsyncEngine
+from kvtierd.engine.request import RequestOutput, TokenLogprob
+from kvtierd.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class GenerationResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" or "length"; None while running or when cut off
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    queue_ms: float = 0.0
+    ttft_ms: float | None = None
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def usage(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def kvtierd_info(self, **extra) -> dict:
+        """The `kvtierd` extension object: where cached tokens came from, and timings."""
+        return {
+            "cached_tokens_by_tier": {"device": self.cached_tokens},
+            "queue_ms": round(self.queue_ms, 3),
+            "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 3),
+            **extra,
+        }
+
+
+class Generation:
+    def __init__(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, tenant: str) -> None:
+        engine.engine.validate(prompt_ids, params)  # a bad request fails here, before any response starts
+        self._stream = engine.generate(prompt_ids, params, tenant=tenant)
+        self._start = time.monotonic()
+        self.result = GenerationResult(prompt_tokens=len(prompt_ids))
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """The engine's outputs, folded into `result` as they pass."""
+        r = self.result
+        try:
+            async for out in self._stream:
+                if r.ttft_ms is None:
+                    r.ttft_ms = (time.monotonic() - self._start) * 1e3
+                    r.queue_ms = out.queue_s * 1e3
+                    r.cached_tokens = out.num_cached_tokens
+                r.text += out.text
+                r.token_ids.extend(out.token_ids)
+                r.logprobs.extend(out.logprobs)
+                if out.finished:
+                    r.finish_reason = out.finish_reason.value
+                yield out
+        finally:
+            await self._stream.aclose()  # leaving early cancels the request and frees its pages
+
+    async def run(self) -> GenerationResult:
+        async for _ in self.outputs():
+            pass
+        return self.result

@@ -1,0 +1,99 @@
+"""Request middleware: peer and tenant, draining, and one mapping from errors to responses."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+
+from aiohttp import web
+
+from kvtierd.engine.errors import EngineStoppedError, RequestError
+from kvtierd.model.errors import ChatTemplateError
+from kvtierd.server.errors import ApiError, bad_request, forbidden, unavailable
+from kvtierd.server.peer import peer_of
+from kvtierd.server.state import STATE
+from kvtierd.storage.store_errors import SessionNotFoundError, StoreArgumentError, StoreUnavailableError
+
+log = logging.getLogger(__name__)
+
+TENANT_NAME = re.compile(r"^[A-Za-z0-9._@:-]{1,128}$")
+
+
+async def read_json(request: web.Request) -> object:
+    """The body as JSON; 413 past the size limit, 400 when it does not parse."""
+    raw = await request.read()  # aiohttp raises 413 beyond client_max_size
+    try:
+        return json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from e
+
+
+def _as_api_error(e: Exception) -> ApiError | None:
+    if isinstance(e, ApiError):
+        return e
+    if isinstance(e, RequestError):
+        return bad_request(str(e), param=e.param)
+    if isinstance(e, ChatTemplateError):
+        return bad_request(f"the chat template refused the messages: {e}", param="messages")
+    if isinstance(e, SessionNotFoundError):
+        return ApiError(404, f"no session {e.args[0]!r}", code="session_not_found")
+    if isinstance(e, StoreArgumentError):
+        return bad_request(str(e))
+    if isinstance(e, StoreUnavailableError):
+        return unavailable(f"the session store is unavailable: {e}")
+    if isinstance(e, EngineStoppedError):
+        return unavailable(str(e))
+    if isinstance(e, web.HTTPRequestEntityTooLarge):
+        return ApiError(413, f"the request body is too large: {e.text}", code="request_too_large")
+    if isinstance(e, web.HTTPException) and e.status >= 400:
+        return ApiError(e.status, e.reason, type="invalid_request_error" if e.status < 500 else "server_error")
+    return None
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    state = request.app[STATE]
+    try:
+        response = await handler(request)
+    except Exception as e:  # mapped once here: handlers raise, never format errors
+        api = _as_api_error(e)
+        if api is None:
+            log.exception("unexpected error on %s %s", request.method, request.path)
+            api = ApiError(500, "internal error; see the daemon's log", type="server_error", code="internal")
+        response = api.response()
+    if 400 <= response.status < 500:
+        state.counters.errors_4xx += 1
+    elif response.status >= 500:
+        state.counters.errors_5xx += 1
+    return response
+
+
+@web.middleware
+async def peer_middleware(request: web.Request, handler):
+    """Who is asking (SO_PEERCRED), for which tenant; refuses new work while draining."""
+    state = request.app[STATE]
+    if state.draining:
+        raise unavailable("kvtierd is shutting down", retry_after_s=10)
+    sock = request.transport.get_extra_info("socket") if request.transport else None
+    peer = peer_of(sock, state.settings.admin_group)
+    tenant = peer.user
+    named = request.headers.get(state.settings.tenant_header)
+    if named is not None:
+        if not peer.is_admin:
+            raise forbidden(f"only root or the admin group may name a tenant in {state.settings.tenant_header}")
+        if not TENANT_NAME.match(named):
+            raise bad_request(f"{state.settings.tenant_header} must be 1-128 of A-Z a-z 0-9 . _ @ : -")
+        tenant = named
+    if request.path.startswith("/admin/") and not peer.is_admin:
+        raise forbidden("admin routes answer only to root or the admin group")
+    request["peer"] = peer
+    request["tenant"] = tenant
+    state.in_flight += 1
+    state.idle.clear()
+    try:
+        return await handler(request)
+    finally:
+        state.in_flight -= 1
+        if state.in_flight == 0:
+            state.idle.set()

@@ -1,0 +1,100 @@
+"""The OpenAPI document served at /openapi.json (a test checks it covers every route)."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from kvtierd import __version__
+
+routes = web.RouteTableDef()
+
+_ERROR = {"description": "an OpenAI-shaped error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+_JSON = {"description": "OK", "content": {"application/json": {"schema": {"type": "object"}}}}
+_SAMPLING = {
+    "max_tokens": {"type": "integer", "minimum": 1},
+    "max_completion_tokens": {"type": "integer", "minimum": 1},
+    "temperature": {"type": "number", "minimum": 0, "maximum": 2},
+    "top_p": {"type": "number", "exclusiveMinimum": 0, "maximum": 1},
+    "top_k": {"type": "integer", "minimum": 0, "description": "kvtierd extension; 0 is off"},
+    "seed": {"type": "integer"},
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": 4}]},
+    "stream": {"type": "boolean"},
+    "stream_options": {"type": "object", "properties": {"include_usage": {"type": "boolean"}}},
+    "logprobs": {"type": "boolean"},
+    "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20},
+    "n": {"type": "integer", "enum": [1]},
+    "user": {"type": "string"},
+    "frequency_penalty": {"type": "number", "enum": [0]},
+    "presence_penalty": {"type": "number", "enum": [0]},
+    "priority": {"type": "string", "enum": ["high", "normal", "low"], "description": "kvtierd extension"},
+}
+_MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
+    "role": {"type": "string", "enum": ["system", "user", "assistant"]},
+    "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}}}
+
+
+def _body(properties: dict, required: list[str]) -> dict:
+    schema = {"type": "object", "additionalProperties": False, "properties": properties, "required": required}
+    return {"required": True, "content": {"application/json": {"schema": schema}}}
+
+
+def _op(summary: str, body: dict | None = None, errors: tuple[int, ...] = (400,)) -> dict:
+    op: dict = {"summary": summary, "responses": {"200": _JSON, **{str(e): _ERROR for e in errors}}}
+    if body is not None:
+        op["requestBody"] = body
+    return op
+
+
+_SESSION_ID = [{"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+_LIMIT = [{"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}]
+
+DOCUMENT = {
+    "openapi": "3.1.0",
+    "info": {"title": "kvtierd", "version": __version__,
+             "description": "OpenAI-compatible chat over a Unix socket, a chat-session store, and admin routes."},
+    "paths": {
+        "/v1/chat/completions": {"post": _op("Chat completion (SSE when stream is true)", _body(
+            {"model": {"type": "string"}, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
+             "session_id": {"type": "string", "description": "kvtierd extension: bind to a stored session"},
+             **_SAMPLING}, ["messages"]), (400, 404, 413, 503))},
+        "/v1/completions": {"post": _op("Text completion from text or token ids", _body(
+            {"model": {"type": "string"}, "echo": {"type": "boolean", "enum": [False]},
+             "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
+             **_SAMPLING}, ["prompt"]), (400, 404, 413, 503))},
+        "/v1/models": {"get": _op("The served model", errors=())},
+        "/v1/sessions": {
+            "post": _op("Create a chat session", _body(
+                {"system_prompt": {"type": "string"}, "title": {"type": "string"},
+                 "priority": {"type": "string", "enum": ["high", "normal", "low"]}}, [])),
+            "get": {**_op("This tenant's sessions"), "parameters": _LIMIT},
+        },
+        "/v1/sessions/{session_id}": {
+            "get": {**_op("A session with its messages", errors=(404,)), "parameters": _SESSION_ID},
+            "delete": {**_op("Delete a session and its cached KV", errors=(404,)), "parameters": _SESSION_ID},
+        },
+        "/v1/sessions/{session_id}/messages": {"post": {**_op("Append a user message and get the reply", _body(
+            {"content": {"type": "string", "minLength": 1}, **_SAMPLING}, ["content"]), (400, 404, 503)),
+            "parameters": _SESSION_ID}},
+        "/healthz": {"get": _op("Liveness and readiness", errors=(503,))},
+        "/openapi.json": {"get": _op("This document", errors=())},
+        "/admin/status": {"get": _op("Daemon, model and engine state", errors=(403,))},
+        "/admin/tiers": {"get": _op("Per-tier capacity, use and hit rate", errors=(403,))},
+        "/admin/stats": {"get": _op("Request and token counters", errors=(403,))},
+        "/admin/prefixes": {"get": {**_op("Cached prefix pages", errors=(403,)), "parameters": _LIMIT}},
+        "/admin/sessions": {"get": {**_op("Sessions of every tenant", errors=(403,)), "parameters": _LIMIT + [
+            {"name": "tenant", "in": "query", "schema": {"type": "string"}}]}},
+        "/admin/sessions/{session_id}": {
+            "get": {**_op("Any session with its messages", errors=(403, 404)), "parameters": _SESSION_ID},
+            "delete": {**_op("Delete any session and its cached KV", errors=(403, 404)), "parameters": _SESSION_ID},
+        },
+    },
+    "components": {"schemas": {"Error": {"type": "object", "required": ["error"], "properties": {"error": {
+        "type": "object", "required": ["message", "type"], "properties": {
+            "message": {"type": "string"}, "type": {"type": "string"},
+            "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}}},
+}
+
+
+@routes.get("/openapi.json")
+async def openapi(request: web.Request) -> web.Response:
+    return web.json_response(DOCUMENT)

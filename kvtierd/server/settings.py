@@ -1,0 +1,171 @@
+"""The daemon's settings: one table, read from a TOML file < KVTIERD_* env < flags.
+
+Every setting has a name, a TOML place (`[section] key`), an environment
+variable (`KVTIERD_<NAME>`), a default and a line of help. README.md lists
+them all (a test checks), and so does systemd/kvtierd.toml.example.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+from kvtierd.server.paths import default_socket_path, default_state_dir
+
+
+class SettingsError(ValueError):
+    """A setting with a bad value or name; the message says which and where from."""
+
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Any) -> int:
+    """`1073741824`, `"1GiB"`, `"512 MiB"`, `"2GB"` -> bytes."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"{value!r} is not a size (e.g. 1GiB, 512MiB, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "b").lower()])
+
+
+def parse_bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{value!r} is not a boolean (true/false)")
+
+
+def parse_optional_str(value: Any) -> str | None:
+    text = str(value)
+    return text or None
+
+
+def parse_mode(value: Any) -> int:
+    return value if isinstance(value, int) else int(str(value), 8)
+
+
+@dataclass(frozen=True, slots=True)
+class Setting:
+    name: str
+    section: str
+    key: str
+    default: Any
+    parse: Callable[[Any], Any]
+    help: str
+
+    @property
+    def env(self) -> str:
+        return "KVTIERD_" + self.name.upper()
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("socket", "server", "socket", None, parse_optional_str,
+            "Unix socket path (default: $RUNTIME_DIRECTORY/kvtierd.sock, else $XDG_RUNTIME_DIR/kvtierd/kvtierd.sock, else /tmp/kvtierd-UID/kvtierd.sock)"),
+    Setting("socket_mode", "server", "socket_mode", 0o660, parse_mode, "permission bits of the socket (octal)"),
+    Setting("socket_group", "server", "socket_group", None, parse_optional_str, "group that owns the socket: frontends in it may connect"),
+    Setting("admin_group", "server", "admin_group", "kvtierd-admin", parse_optional_str,
+            "group whose members (and root) may use /admin and name a tenant per request"),
+    Setting("tenant_header", "server", "tenant_header", "X-Kvtierd-Tenant", str, "header a trusted (admin-group) frontend names the tenant in"),
+    Setting("max_body_bytes", "server", "max_body_bytes", 4 << 20, parse_bytes, "largest request body; larger gets 413"),
+    Setting("drain_timeout_s", "server", "drain_timeout_s", 30.0, float, "on SIGTERM, how long in-flight requests may take to finish"),
+    Setting("log_level", "server", "log_level", "info", str, "debug, info, warning or error"),
+    Setting("state_dir", "paths", "state_dir", None, parse_optional_str,
+            "state directory: SQLite store, LMDB (default: $STATE_DIRECTORY, else $XDG_STATE_HOME/kvtierd)"),
+    Setting("model", "model", "path", None, parse_optional_str, "a .gguf file or a Hugging Face directory (default: bundled SmolLM2-135M-Instruct)"),
+    Setting("device", "model", "device", "auto", str, "auto, cpu, cuda or cuda:N"),
+    Setting("block_size", "cache", "block_size", 16, int, "tokens per KV page (1 to 256)"),
+    Setting("kv_cache_bytes", "cache", "kv_cache_bytes", 1 << 30, parse_bytes, "device KV pool size"),
+    Setting("max_num_batched_tokens", "engine", "max_num_batched_tokens", 2048, int, "tokens per engine step (chunked prefill budget)"),
+    Setting("max_num_seqs", "engine", "max_num_seqs", 64, int, "requests running at once"),
+    Setting("max_model_len", "engine", "max_model_len", 0, int, "context window in tokens (0: the model's)"),
+    Setting("default_max_tokens", "engine", "default_max_tokens", 512, int, "max_tokens when a request gives none"),
+    Setting("store_url", "store", "url", None, parse_optional_str,
+            "SQLAlchemy URL of the session store (default: sqlite under the state dir; postgresql+psycopg://... for fleets)"),
+)
+
+BY_NAME = {s.name: s for s in SETTINGS}
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    socket: Path
+    socket_mode: int
+    socket_group: str | None
+    admin_group: str | None
+    tenant_header: str
+    max_body_bytes: int
+    drain_timeout_s: float
+    log_level: str
+    state_dir: Path
+    model: str | None
+    device: str
+    block_size: int
+    kv_cache_bytes: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    default_max_tokens: int
+    store_url: str
+
+
+def _from_toml(path: Path) -> dict[str, tuple[Any, str]]:
+    try:
+        doc = tomllib.loads(path.read_text())
+    except OSError as e:
+        raise SettingsError(f"cannot read config file {path}: {e.strerror}") from e
+    except tomllib.TOMLDecodeError as e:
+        raise SettingsError(f"{path} is not valid TOML: {e}") from e
+    by_place = {(s.section, s.key): s for s in SETTINGS}
+    out = {}
+    for section, table in doc.items():
+        if not isinstance(table, dict):
+            raise SettingsError(f"{path}: {section!r} must be a [section]")
+        for key, value in table.items():
+            setting = by_place.get((section, key))
+            if setting is None:
+                raise SettingsError(f"{path}: unknown setting [{section}] {key}")
+            out[setting.name] = (value, f"{path} [{section}] {key}")
+    return out
+
+
+def load_settings(
+    config_file: Path | None = None, environ: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> Settings:
+    """Merges defaults < TOML file < KVTIERD_* environment < flags (`overrides`, None = unset)."""
+
+    env = os.environ if environ is None else environ
+    raw: dict[str, tuple[Any, str]] = {}
+    if config_file is not None:
+        raw.update(_from_toml(config_file))
+    for s in SETTINGS:
+        if s.env in env:
+            raw[s.name] = (env[s.env], s.env)
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            raw[name] = (value, f"--{name.replace('_', '-')}")
+    values: dict[str, Any] = {}
+    for s in SETTINGS:
+        value, source = raw.get(s.name, (s.default, "default"))
+        try:
+            values[s.name] = s.parse(value) if value is not None else None
+        except (TypeError, ValueError) as e:
+            raise SettingsError(f"{s.name} from {source}: {e}") from e
+    state_dir = Path(values["state_dir"]).expanduser() if values["state_dir"] else default_state_dir(env)
+    values["state_dir"] = state_dir
+    values["socket"] = Path(values["socket"]).expanduser() if values["socket"] else default_socket_path(env)
+    values["store_url"] = values["store_url"] or f"sqlite:///{state_dir / 'kvtierd.sqlite3'}"
+    if not 1 <= values["block_size"] <= 256:
+        raise SettingsError(f"block_size must be between 1 and 256, got {values['block_size']}")
+    return Settings(**{f.name: values[f.name] for f in fields(Settings)})

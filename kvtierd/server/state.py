@@ -1,0 +1,48 @@
+"""What every handler shares: the settings, the model, the engine, the store, counters."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, TypeVar
+
+from aiohttp import web
+
+from kvtierd.engine.async_engine import AsyncEngine
+from kvtierd.model.loader import LoadedModel
+from kvtierd.server.settings import Settings
+from kvtierd.storage.session_store import SessionStore
+
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class ServerCounters:
+    errors_4xx: int = 0
+    errors_5xx: int = 0
+    active_streams: int = 0
+
+
+@dataclass(slots=True)
+class DaemonState:
+    settings: Settings
+    loaded: LoadedModel
+    engine: AsyncEngine
+    store: SessionStore
+    started: float = field(default_factory=time.monotonic)
+    draining: bool = False
+    in_flight: int = 0
+    counters: ServerCounters = field(default_factory=ServerCounters)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    @property
+    def model_id(self) -> str:
+        return self.loaded.name
+
+    async def db(self, fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """Runs a (blocking) session-store call on a worker thread."""
+        return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+STATE = web.AppKey("state", DaemonState)

@@ -1,0 +1,60 @@
+"""Binding the daemon's Unix socket safely.
+
+A path held by a live daemon is refused (we never steal another daemon's
+socket); a stale one (nothing accepts on it) is replaced. The socket is
+created with the configured mode and group so frontends in that group can
+connect and nobody else can.
+"""
+
+from __future__ import annotations
+
+import grp
+import os
+import socket
+import stat
+from pathlib import Path
+
+
+class SocketBindError(RuntimeError):
+    """The socket path cannot be served on (held by a live daemon, not a socket, bad group)."""
+
+
+def _is_live(path: Path) -> bool:
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+        return True
+    except (ConnectionRefusedError, FileNotFoundError):
+        return False
+    finally:
+        probe.close()
+
+
+def bind_unix_socket(path: Path, mode: int, group: str | None) -> socket.socket:
+    if not path.parent.exists():
+        # A directory we create is private; systemd's RuntimeDirectory sets its own.
+        path.parent.mkdir(mode=0o700, parents=True)
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise SocketBindError(f"{path} exists and is not a socket; refusing to replace it")
+        if _is_live(path):
+            raise SocketBindError(f"another daemon is serving on {path}")
+        path.unlink()  # stale: its daemon is gone
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o777 & ~mode)  # never a moment with wider permissions than asked
+    try:
+        sock.bind(str(path))
+    finally:
+        os.umask(old_umask)
+    os.chmod(path, mode)
+    if group:
+        try:
+            os.chown(path, -1, grp.getgrnam(group).gr_gid)
+        except KeyError:
+            sock.close()
+            path.unlink()
+            raise SocketBindError(f"socket group {group!r} does not exist") from None
+    sock.listen(128)
+    sock.setblocking(False)
+    return sock
