@@ -29,7 +29,7 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 run: install
-	$(BIN)/kvtierd chat
+	$(BIN)/kvtierd serve
 
 test: install system-deps
 	$(BIN)/python -m pytest -q
