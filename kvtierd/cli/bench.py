@@ -79,3 +79,49 @@ def bench_capacity(
         ],
     )
     write_json(json_path, figures)
+
+
+@bench_app.command("serve")
+def bench_serve(
+    socket: Annotated[Optional[Path], typer.Option(help="Bench the daemon on this socket; default: start one.")] = None,
+    clients: Annotated[str, typer.Option(help="Concurrent clients, one table row each.")] = "1,8,32",
+    requests_per_client: Annotated[int, typer.Option(help="Streamed requests each client sends in turn.")] = 2,
+    max_tokens: Annotated[int, typer.Option(help="max_tokens of every request.")] = 32,
+    seed: Annotated[int, typer.Option()] = 0,
+    json_path: JsonOpt = None,
+) -> None:
+    """TTFT, inter-token latency and throughput of concurrent streaming chat clients over the socket."""
+    from kvtierd.bench.serve_bench import ServeBenchError, run_serve_bench
+
+    try:
+        figures = run_serve_bench(socket, _ints(clients), requests_per_client, max_tokens, seed)
+    except ServeBenchError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    m = machine()
+    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), {m['date']}")
+    typer.echo(f"daemon: {figures['daemon']}; model {figures['model']}")
+    typer.echo(
+        f"streamed chat, temperature 0, max_tokens {max_tokens}, EOS not ignored (long-story prompts); "
+        "every request has its own prompt: they share only the chat template's system prefix"
+    )
+    levels = figures["levels"]
+
+    def ms(v: float | None) -> str:  # whole ms keep eight columns inside an 80-column terminal
+        return "-" if v is None else f"{v:,.0f}"
+
+    print_table(
+        "serve: concurrent streaming clients (tok/s: output tokens of all clients)",
+        ["clients", "requests", "TTFT p50 ms", "TTFT p95 ms", "ITL p50 ms", "ITL p95 ms", "tok/s", "req/s"],
+        [
+            [r["clients"], r["requests"], ms(r["ttft_ms_p50"]), ms(r["ttft_ms_p95"]), ms(r["itl_ms_p50"]),
+             ms(r["itl_ms_p95"]), f"{r['output_tok_s']:,.1f}", f"{r['req_s']:.2f}"]
+            for r in levels
+        ],
+    )
+    typer.echo(
+        f"requests that reached max_tokens: {sum(r['reached_max_tokens'] for r in levels)}"
+        f"/{sum(r['requests'] for r in levels)}; prompt tokens served from the prefix cache: "
+        f"{sum(r['cached_prompt_tokens'] for r in levels)}"
+    )
+    write_json(json_path, figures)

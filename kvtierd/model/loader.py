@@ -47,7 +47,7 @@ def load_model(source: str | Path | None = None, device: str | torch.device = "c
         reader = open_gguf(path)
         config = read_gguf_config(reader)
         weights = load_gguf_weights(reader, config, dtype, device)
-        tokenizer = ChatTokenizer.from_gguf(path)
+        tokenizer = ChatTokenizer.from_gguf(path, reader=reader)
         files = [path]
     else:
         raise ModelLoadError(f"model not found: {path} (give a .gguf file or a Hugging Face model directory)")
