@@ -103,6 +103,15 @@ class AsyncEngine:
             change()
         self._wake.set()
 
+    @staticmethod
+    def _apply(change: Callable[[], None]) -> None:
+        # A deferred change that fails must not take the step loop down with it;
+        # requests are validated before they get here, so this is a bug if seen.
+        try:
+            change()
+        except Exception:
+            log.exception("deferred engine change failed")
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
@@ -121,7 +130,7 @@ class AsyncEngine:
                 self._stepping = False
                 pending, self._pending = self._pending, []
                 for change in pending:
-                    change()
+                    self._apply(change)
             for out in outputs:
                 q = self._queues.get(out.request_id)
                 if q is not None:

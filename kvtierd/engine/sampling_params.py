@@ -35,6 +35,8 @@ class SamplingParams:
             raise RequestError(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}", "top_logprobs")
         if any(not s for s in self.stop):
             raise RequestError("stop strings must not be empty", "stop")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:  # what torch.Generator accepts
+            raise RequestError("seed must be a 64-bit integer", "seed")
 
     @property
     def greedy(self) -> bool:

@@ -60,6 +60,7 @@ async def respond_chat(request: web.Request, state: DaemonState, turn: Turn, opt
 
     response = await open_stream(request)
     state.counters.active_streams += 1
+    recorded = False
     try:
         await send(response, fmt.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
         async for out in gen.outputs():
@@ -68,14 +69,20 @@ async def respond_chat(request: web.Request, state: DaemonState, turn: Turn, opt
             if out.text or logprobs or finish:
                 await send(response, fmt.chat_chunk(rid, created, model, {"content": out.text} if out.text else {},
                                                     finish, logprobs))
+        # Stored before [DONE]: clients stop reading there and may send the next turn at once.
+        recorded = True
+        await record_turn(state, request["tenant"], turn, gen.result)
         if options.include_usage:
             await send(response, fmt.usage_chunk(rid, created, model, gen.result.usage(),
                                                  gen.result.kvtierd_info(**extra), "chat.completion.chunk"))
         await send(response, "[DONE]")
+    except ConnectionResetError:
+        pass  # the client went away: nobody to answer, and not a server error
     finally:
         state.counters.active_streams -= 1
-        # A client gone mid-stream leaves a turn marked interrupted, never a half-written one.
-        await record_turn(state, request["tenant"], turn, gen.result)
+        if not recorded:
+            # A client gone mid-stream leaves a turn marked interrupted, never a half-written one.
+            await record_turn(state, request["tenant"], turn, gen.result)
     return response
 
 
@@ -109,6 +116,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
             await send(response, fmt.usage_chunk(rid, created, model, gen.result.usage(),
                                                  gen.result.kvtierd_info(**extra), "text_completion"))
         await send(response, "[DONE]")
+    except ConnectionResetError:
+        pass  # the client went away: nobody to answer, and not a server error
     finally:
         state.counters.active_streams -= 1
     return response

@@ -16,7 +16,7 @@ from kvtierd.model.loader import load_model
 from kvtierd.server.app import make_app
 from kvtierd.server.settings import Settings
 from kvtierd.server.state import DaemonState
-from kvtierd.server.unix_socket import bind_unix_socket
+from kvtierd.server.unix_socket import bind_unix_socket, check_socket_path
 from kvtierd.storage.session_store import SessionStore
 
 log = logging.getLogger("kvtierd")
@@ -43,9 +43,11 @@ def build_state(settings: Settings) -> DaemonState:
 
 
 async def serve(settings: Settings) -> None:
+    check_socket_path(settings.socket)  # a path we cannot serve on fails in a second, not after loading the model
     state = build_state(settings)
     sock = bind_unix_socket(settings.socket, settings.socket_mode, settings.socket_group)
-    runner = web.AppRunner(make_app(state), handle_signals=False, access_log=None)
+    # handler_cancellation: a client that hangs up cancels its request, so its generation stops and frees its pages.
+    runner = web.AppRunner(make_app(state), handle_signals=False, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.SockSite(runner, sock).start()
     log.info("serving on %s", settings.socket)

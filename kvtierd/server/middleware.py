@@ -24,9 +24,17 @@ async def read_json(request: web.Request) -> object:
     """The body as JSON; 413 past the size limit, 400 when it does not parse."""
     raw = await request.read()  # aiohttp raises 413 beyond client_max_size
     try:
-        return json.loads(raw)
+        body = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise bad_request(f"the body is not valid JSON: {e}", code="invalid_json") from e
+    except RecursionError:
+        raise bad_request("the body is nested too deeply", code="invalid_json") from None
+    try:  # a "\ud800" escape parses to a lone surrogate, which the tokenizer and the store cannot take
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        raise bad_request("the body holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not text",
+                          code="invalid_json") from None
+    return body
 
 
 def _as_api_error(e: Exception) -> ApiError | None:
@@ -47,7 +55,9 @@ def _as_api_error(e: Exception) -> ApiError | None:
     if isinstance(e, web.HTTPRequestEntityTooLarge):
         return ApiError(413, f"the request body is too large: {e.text}", code="request_too_large")
     if isinstance(e, web.HTTPException) and e.status >= 400:
-        return ApiError(e.status, e.reason, type="invalid_request_error" if e.status < 500 else "server_error")
+        allow = {"Allow": e.headers["Allow"]} if "Allow" in e.headers else None  # a 405 must say what is allowed
+        return ApiError(e.status, e.reason, type="invalid_request_error" if e.status < 500 else "server_error",
+                        headers=allow)
     return None
 
 

@@ -60,7 +60,9 @@ DOCUMENT = {
         "/v1/completions": {"post": _op("Text completion from text or token ids", _body(
             {"model": {"type": "string"}, "echo": {"type": "boolean", "enum": [False]},
              "prompt": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "integer"}}]},
-             **_SAMPLING}, ["prompt"]), (400, 404, 413, 503))},
+             **_SAMPLING, "logprobs": {"oneOf": [{"type": "boolean"}, {"type": "integer", "minimum": 0, "maximum": 20}],
+                                       "description": "a count, as in the legacy API: that many top alternatives"}},
+            ["prompt"]), (400, 404, 413, 503))},
         "/v1/models": {"get": _op("The served model", errors=())},
         "/v1/sessions": {
             "post": _op("Create a chat session", _body(

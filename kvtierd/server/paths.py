@@ -29,5 +29,6 @@ def default_state_dir(environ: Mapping[str, str] | None = None) -> Path:
     state_directory = env.get("STATE_DIRECTORY", "").split(":")[0]
     if state_directory:
         return Path(state_directory)
-    base = Path(env["XDG_STATE_HOME"]) if env.get("XDG_STATE_HOME") else Path.home() / ".local" / "state"
+    home = Path(env["HOME"]) if env.get("HOME") else Path.home()
+    base = Path(env["XDG_STATE_HOME"]) if env.get("XDG_STATE_HOME") else home / ".local" / "state"
     return base / "kvtierd"

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtierd.engine.errors import RequestError
-from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from kvtierd.server.errors import bad_request
 
 PRIORITIES = ("high", "normal", "low")
@@ -85,7 +85,9 @@ def parse_options(body: dict, default_max_tokens: int) -> GenerationOptions:
         if _typed(body, name, (int, float), 0) != 0:
             raise bad_request(f"{name} is not supported (only 0)", param=name)
     _typed(body, "user", str)
-    max_tokens = _typed(body, "max_completion_tokens", int) or _typed(body, "max_tokens", int, default_max_tokens)
+    max_tokens = _typed(body, "max_completion_tokens", int)  # `or` would turn a refused 0 into the default
+    if max_tokens is None:
+        max_tokens = _typed(body, "max_tokens", int, default_max_tokens)
     stop = body.get("stop")
     if isinstance(stop, str):
         stop = [stop]
@@ -177,4 +179,11 @@ def parse_completion(body: Any, default_max_tokens: int) -> CompletionRequest:
         raise bad_request("prompt must be a string or an array of token ids (one prompt per request)", param="prompt")
     if text == "":
         raise bad_request("prompt must not be empty", param="prompt")
+    count = body.get("logprobs")
+    if isinstance(count, int) and not isinstance(count, bool):  # the legacy API: how many alternatives
+        if not 0 <= count <= MAX_TOP_LOGPROBS:
+            raise bad_request(f"logprobs must be between 0 and {MAX_TOP_LOGPROBS}", param="logprobs")
+        if body.get("top_logprobs") is not None:
+            raise bad_request("give logprobs as a count or top_logprobs, not both", param="top_logprobs")
+        body = {**body, "logprobs": True, "top_logprobs": count}
     return CompletionRequest(_typed(body, "model", str), text, ids, parse_options(body, default_max_tokens))

@@ -53,7 +53,56 @@ def parse_optional_str(value: Any) -> str | None:
 
 
 def parse_mode(value: Any) -> int:
-    return value if isinstance(value, int) else int(str(value), 8)
+    """Permission bits: `0o660` in TOML, `"0660"` as text (octal); a decimal `660` is refused, not misread."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not permission bits")
+    mode = value if isinstance(value, int) else int(str(value), 8)
+    if not 0 <= mode <= 0o777:
+        raise ValueError(f"{value!r} is not permission bits (octal, 0 to 0777)")
+    return mode
+
+
+def parse_int(value: Any) -> int:
+    """`16` or `"16"`; not `true` or `1.5`, which int() would quietly take as 1."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{value!r} is not an integer")
+    return int(value)
+
+
+def parse_float(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ValueError(f"{value!r} is not a number")
+    return float(value)
+
+
+def int_between(low: int, high: int | None = None) -> Callable[[Any], int]:
+    bounds = f"at least {low}" if high is None else f"between {low} and {high}"
+
+    def parse(value: Any) -> int:
+        n = parse_int(value)
+        if n < low or (high is not None and n > high):
+            raise ValueError(f"must be {bounds}, got {n}")
+        return n
+    return parse
+
+
+def one_of(*choices: str) -> Callable[[Any], str]:
+    def parse(value: Any) -> str:
+        text = str(value).strip().lower()
+        if text not in choices:
+            raise ValueError(f"{value!r} is not one of {', '.join(choices)}")
+        return text
+    return parse
+
+
+_DEVICE = re.compile(r"^(auto|cpu|cuda(:\d+)?)$")
+
+
+def parse_device(value: Any) -> str:
+    text = str(value).strip()
+    if not _DEVICE.match(text):
+        raise ValueError(f"{value!r} is not a device (auto, cpu, cuda or cuda:N)")
+    return text
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,18 +128,18 @@ SETTINGS: tuple[Setting, ...] = (
             "group whose members (and root) may use /admin and name a tenant per request"),
     Setting("tenant_header", "server", "tenant_header", "X-Kvtierd-Tenant", str, "header a trusted (admin-group) frontend names the tenant in"),
     Setting("max_body_bytes", "server", "max_body_bytes", 4 << 20, parse_bytes, "largest request body; larger gets 413"),
-    Setting("drain_timeout_s", "server", "drain_timeout_s", 30.0, float, "on SIGTERM, how long in-flight requests may take to finish"),
-    Setting("log_level", "server", "log_level", "info", str, "debug, info, warning or error"),
+    Setting("drain_timeout_s", "server", "drain_timeout_s", 30.0, parse_float, "on SIGTERM, how long in-flight requests may take to finish"),
+    Setting("log_level", "server", "log_level", "info", one_of("debug", "info", "warning", "error"), "debug, info, warning or error"),
     Setting("state_dir", "paths", "state_dir", None, parse_optional_str,
             "state directory: SQLite store, LMDB (default: $STATE_DIRECTORY, else $XDG_STATE_HOME/kvtierd)"),
     Setting("model", "model", "path", None, parse_optional_str, "a .gguf file or a Hugging Face directory (default: bundled SmolLM2-135M-Instruct)"),
-    Setting("device", "model", "device", "auto", str, "auto, cpu, cuda or cuda:N"),
-    Setting("block_size", "cache", "block_size", 16, int, "tokens per KV page (1 to 256)"),
+    Setting("device", "model", "device", "auto", parse_device, "auto, cpu, cuda or cuda:N"),
+    Setting("block_size", "cache", "block_size", 16, int_between(1, 256), "tokens per KV page (1 to 256)"),
     Setting("kv_cache_bytes", "cache", "kv_cache_bytes", 1 << 30, parse_bytes, "device KV pool size"),
-    Setting("max_num_batched_tokens", "engine", "max_num_batched_tokens", 2048, int, "tokens per engine step (chunked prefill budget)"),
-    Setting("max_num_seqs", "engine", "max_num_seqs", 64, int, "requests running at once"),
-    Setting("max_model_len", "engine", "max_model_len", 0, int, "context window in tokens (0: the model's)"),
-    Setting("default_max_tokens", "engine", "default_max_tokens", 512, int, "max_tokens when a request gives none"),
+    Setting("max_num_batched_tokens", "engine", "max_num_batched_tokens", 2048, int_between(1), "tokens per engine step (chunked prefill budget)"),
+    Setting("max_num_seqs", "engine", "max_num_seqs", 64, int_between(1), "requests running at once"),
+    Setting("max_model_len", "engine", "max_model_len", 0, int_between(0), "context window in tokens (0: the model's)"),
+    Setting("default_max_tokens", "engine", "default_max_tokens", 512, int_between(1), "max_tokens when a request gives none"),
     Setting("store_url", "store", "url", None, parse_optional_str,
             "SQLAlchemy URL of the session store (default: sqlite under the state dir; postgresql+psycopg://... for fleets)"),
 )
@@ -166,6 +215,4 @@ def load_settings(
     values["state_dir"] = state_dir
     values["socket"] = Path(values["socket"]).expanduser() if values["socket"] else default_socket_path(env)
     values["store_url"] = values["store_url"] or f"sqlite:///{state_dir / 'kvtierd.sqlite3'}"
-    if not 1 <= values["block_size"] <= 256:
-        raise SettingsError(f"block_size must be between 1 and 256, got {values['block_size']}")
     return Settings(**{f.name: values[f.name] for f in fields(Settings)})

@@ -31,15 +31,24 @@ def _is_live(path: Path) -> bool:
         probe.close()
 
 
+def check_socket_path(path: Path) -> bool:
+    """Raises SocketBindError when `path` cannot be served on; True when a stale socket is there.
+
+    Cheap, so the daemon asks before loading its model, and again when it binds."""
+    if not (path.exists() or path.is_symlink()):
+        return False
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise SocketBindError(f"{path} exists and is not a socket; refusing to replace it")
+    if _is_live(path):
+        raise SocketBindError(f"another daemon is serving on {path}")
+    return True
+
+
 def bind_unix_socket(path: Path, mode: int, group: str | None) -> socket.socket:
     if not path.parent.exists():
         # A directory we create is private; systemd's RuntimeDirectory sets its own.
         path.parent.mkdir(mode=0o700, parents=True)
-    if path.exists() or path.is_symlink():
-        if not stat.S_ISSOCK(path.lstat().st_mode):
-            raise SocketBindError(f"{path} exists and is not a socket; refusing to replace it")
-        if _is_live(path):
-            raise SocketBindError(f"another daemon is serving on {path}")
+    if check_socket_path(path):
         path.unlink()  # stale: its daemon is gone
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     old_umask = os.umask(0o777 & ~mode)  # never a moment with wider permissions than asked
