@@ -67,7 +67,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._edit(lambda: self.engine.add_request(prompt_token_ids, params, request_id, tenant))
+        self._edit(lambda: self._add(queue, prompt_token_ids, params, request_id, tenant))
         finished = False
         try:
             while True:
@@ -82,6 +82,13 @@ class AsyncEngine:
             self._queues.pop(request_id, None)
             if not finished:
                 self._edit(lambda: self.engine.abort_request(request_id))
+
+    def _add(self, queue: asyncio.Queue, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+             tenant: str) -> None:
+        try:
+            self.engine.add_request(prompt_token_ids, params, request_id, tenant)
+        except Exception as e:  # reaches the caller instead of leaving it waiting
+            queue.put_nowait(e)
 
     async def call(self, fn: Callable[[], T]) -> T:
         """Runs `fn` on the engine between steps and returns its result."""
