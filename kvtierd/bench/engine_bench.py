@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import statistics
 import time
+import uuid
 from dataclasses import dataclass
 
 import torch
@@ -64,10 +65,14 @@ def engine_decode(engine: LLMEngine, prompts: list[list[int]], new_tokens: int) 
 
 
 def engine_prefill_s(engine: LLMEngine, prompt: list[int]) -> float:
+    """A cold prefill: each run is its own tenant, so the prefix cache never hits."""
+
     def run() -> None:
-        engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0))
+        cached = engine.counters.cached_tokens
+        engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), tenant=uuid.uuid4().hex)
         while engine.has_unfinished():
             engine.step()
+        assert engine.counters.cached_tokens == cached, "a cold prefill hit the cache"
 
     return median_time(run, 3)
 

@@ -26,7 +26,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:
     """One token per row of `logits [n, vocab]` (float32)."""
-    tokens = torch.argmax(logits, dim=-1).tolist()  # greedy rows are done here
+    # Greedy rows are done here; max() is several times faster than argmax() on CPU.
+    tokens = logits.max(dim=-1).indices.tolist()
     for i, p in enumerate(params):
         if p.greedy:
             continue
