@@ -1,0 +1,54 @@
+"""kvtierctl against the real daemon: every command, as tables and as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+
+def ctl(daemon, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "kvtierd.cli.ctl", "--socket", str(daemon.socket), *args],
+                          capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+
+
+def ctl_json(daemon, *args: str) -> dict:
+    done = ctl(daemon, "--json", *args)
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+def test_status_tiers_stats_and_prefixes_reflect_the_daemon(daemon):
+    with daemon.client() as c:
+        r = c.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "A long shared preamble about caches. " * 6}],
+            "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200
+    status = ctl_json(daemon, "status")
+    assert status["model"]["num_layers"] == 30 and status["engine"]["block_size"] == 16
+    assert status["socket"] == str(daemon.socket)
+    (device,) = ctl_json(daemon, "tiers")["tiers"]
+    assert device["name"] == "device" and device["query_tokens"] > 0
+    assert ctl_json(daemon, "stats")["requests"] >= 1
+    prefixes = ctl_json(daemon, "prefixes", "ls", "--limit", "5")["prefixes"]
+    assert 0 < len(prefixes) <= 5 and all(p["num_tokens"] == 16 for p in prefixes)
+    for command in (["status"], ["tiers"], ["stats"], ["prefixes", "ls"]):
+        done = ctl(daemon, *command)
+        assert done.returncode == 0 and done.stdout.strip() and not done.stderr, (command, done.stderr)
+
+
+def test_sessions_ls_show_rm(daemon):
+    headers = {"X-Kvtierd-Tenant": "ctl-test"}
+    with daemon.client(**headers) as c:
+        sid = c.post("/v1/sessions", json={"title": "ctl session"}).json()["id"]
+        assert c.post(f"/v1/sessions/{sid}/messages", json={"content": "Hi", "max_tokens": 3}).status_code == 200
+    listed = ctl_json(daemon, "sessions", "ls", "--tenant", "ctl-test")["sessions"]
+    assert [s["id"] for s in listed] == [sid] and listed[0]["num_messages"] == 2
+    shown = ctl_json(daemon, "sessions", "show", sid)
+    assert [m["role"] for m in shown["messages"]] == ["user", "assistant"]
+    assert "ctl session" in ctl(daemon, "sessions", "ls", "--tenant", "ctl-test").stdout
+    removed = ctl(daemon, "sessions", "rm", sid)
+    assert removed.returncode == 0 and sid in removed.stdout
+    missing = ctl(daemon, "sessions", "show", sid)
+    assert missing.returncode == 1 and missing.stderr.startswith("error:") and "Traceback" not in missing.stderr
