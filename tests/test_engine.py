@@ -162,3 +162,12 @@ def test_tenants_do_not_share_cached_pages(loaded, make_engine):
     assert run(engine)[bob][-1].num_cached_tokens == 0
     alice = engine.add_request(p, GREEDY, tenant="alice")
     assert run(engine)[alice][-1].num_cached_tokens > 0
+
+
+def test_prefix_caching_can_be_turned_off(loaded, make_engine):
+    p = chat(loaded, "The same long question about caches, asked twice. " * 4)
+    engine = make_engine(enable_prefix_caching=False)
+    engine.add_request(p, GREEDY)
+    run(engine)
+    again = engine.add_request(p, GREEDY)
+    assert run(engine)[again][-1].num_cached_tokens == 0

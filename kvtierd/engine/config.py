@@ -14,6 +14,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     max_num_seqs: int = 64  # running requests at once
     max_model_len: int | None = None  # defaults to the model's context window
+    enable_prefix_caching: bool = True  # reuse cached pages across requests (off: every prompt is computed)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

@@ -56,7 +56,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.pool = DeviceKVPool(self.geometry, num_blocks, loaded.model.device)
         self.kv = KVCacheManager(num_blocks, config.block_size)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
+                                   config.enable_prefix_caching)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None

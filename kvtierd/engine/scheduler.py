@@ -15,7 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvtierd.cache.kv_cache_manager import Allocation, KVCacheManager
+from kvtierd.cache.kv_cache_manager import Allocation, KVCacheManager, PrefixHit
 from kvtierd.engine.request import Request
 
 
@@ -48,8 +48,10 @@ class StepPlan:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int) -> None:
+    def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
+                 enable_prefix_caching: bool = True) -> None:
         self.kv = kv
+        self.enable_prefix_caching = enable_prefix_caching
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -112,7 +114,7 @@ class Scheduler:
         return plan
 
     def _adopt_cached_prefix(self, req: Request) -> None:
-        hit = self.kv.find_prefix(req.cache_root, req.token_ids)
+        hit = self.kv.find_prefix(req.cache_root, req.token_ids) if self.enable_prefix_caching else PrefixHit([], [], 0)
         self.kv.adopt_prefix(req.request_id, hit)
         req.num_computed_tokens = hit.num_tokens
         if req.num_cached_tokens < 0:  # what the client is told: the first admission's hit
