@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
@@ -13,7 +14,7 @@ from kvtierd.server.errors import ApiError
 from kvtierd.server.generation import Generation
 from kvtierd.server.middleware import read_json
 from kvtierd.server.schemas import GenerationOptions, parse_chat, parse_completion
-from kvtierd.server.sse import open_stream, send
+from kvtierd.server.sse import serve_sse
 from kvtierd.server.state import STATE, DaemonState
 
 routes = web.RouteTableDef()
@@ -58,32 +59,31 @@ async def respond_chat(request: web.Request, state: DaemonState, turn: Turn, opt
         return web.json_response(fmt.chat_completion(rid, created, model, result.text, result.finish_reason, logprobs,
                                                      result.usage(), result.kvtierd_info(**extra)))
 
-    response = await open_stream(request)
-    state.counters.active_streams += 1
+    return await serve_sse(request, state, chat_events(state, request["tenant"], turn, gen, options, rid, created, extra))
+
+
+async def chat_events(state: DaemonState, tenant: str, turn: Turn, gen: Generation, options: GenerationOptions,
+                      rid: str, created: int, extra: dict) -> AsyncIterator[dict | str]:
+    tok, model = state.loaded.tokenizer, state.model_id
     recorded = False
     try:
-        await send(response, fmt.chat_chunk(rid, created, model, {"role": "assistant", "content": ""}))
+        yield fmt.chat_chunk(rid, created, model, {"role": "assistant", "content": ""})
         async for out in gen.outputs():
             logprobs = fmt.chat_logprobs(tok, out.logprobs) if options.params.logprobs else None
             finish = out.finish_reason.value if out.finished else None
             if out.text or logprobs or finish:
-                await send(response, fmt.chat_chunk(rid, created, model, {"content": out.text} if out.text else {},
-                                                    finish, logprobs))
+                yield fmt.chat_chunk(rid, created, model, {"content": out.text} if out.text else {}, finish, logprobs)
         # Stored before [DONE]: clients stop reading there and may send the next turn at once.
         recorded = True
-        await record_turn(state, request["tenant"], turn, gen.result)
+        await record_turn(state, tenant, turn, gen.result)
         if options.include_usage:
-            await send(response, fmt.usage_chunk(rid, created, model, gen.result.usage(),
-                                                 gen.result.kvtierd_info(**extra), "chat.completion.chunk"))
-        await send(response, "[DONE]")
-    except ConnectionResetError:
-        pass  # the client went away: nobody to answer, and not a server error
+            yield fmt.usage_chunk(rid, created, model, gen.result.usage(), gen.result.kvtierd_info(**extra),
+                                  "chat.completion.chunk")
+        yield "[DONE]"
     finally:
-        state.counters.active_streams -= 1
         if not recorded:
             # A client gone mid-stream leaves a turn marked interrupted, never a half-written one.
-            await record_turn(state, request["tenant"], turn, gen.result)
-    return response
+            await record_turn(state, tenant, turn, gen.result)
 
 
 @routes.post("/v1/completions")
@@ -102,22 +102,20 @@ async def completions(request: web.Request) -> web.StreamResponse:
         logprobs = fmt.completion_logprobs(tok, result.logprobs) if options.params.logprobs else None
         return web.json_response(fmt.text_completion(rid, created, model, result.text, result.finish_reason,
                                                      logprobs, result.usage(), result.kvtierd_info(**extra)))
-    response = await open_stream(request)
-    state.counters.active_streams += 1
-    try:
-        offset = 0
-        async for out in gen.outputs():
-            logprobs = fmt.completion_logprobs(tok, out.logprobs, offset) if options.params.logprobs else None
-            offset += len(out.text)
-            finish = out.finish_reason.value if out.finished else None
-            if out.text or logprobs or finish:
-                await send(response, fmt.text_completion(rid, created, model, out.text, finish, logprobs, None, None))
-        if options.include_usage:
-            await send(response, fmt.usage_chunk(rid, created, model, gen.result.usage(),
-                                                 gen.result.kvtierd_info(**extra), "text_completion"))
-        await send(response, "[DONE]")
-    except ConnectionResetError:
-        pass  # the client went away: nobody to answer, and not a server error
-    finally:
-        state.counters.active_streams -= 1
-    return response
+    return await serve_sse(request, state, completion_events(state, gen, options, rid, created, extra))
+
+
+async def completion_events(state: DaemonState, gen: Generation, options: GenerationOptions, rid: str, created: int,
+                            extra: dict) -> AsyncIterator[dict | str]:
+    tok, model = state.loaded.tokenizer, state.model_id
+    offset = 0
+    async for out in gen.outputs():
+        logprobs = fmt.completion_logprobs(tok, out.logprobs, offset) if options.params.logprobs else None
+        offset += len(out.text)
+        finish = out.finish_reason.value if out.finished else None
+        if out.text or logprobs or finish:
+            yield fmt.text_completion(rid, created, model, out.text, finish, logprobs, None, None)
+    if options.include_usage:
+        yield fmt.usage_chunk(rid, created, model, gen.result.usage(), gen.result.kvtierd_info(**extra),
+                              "text_completion")
+    yield "[DONE]"
