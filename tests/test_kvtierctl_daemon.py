@@ -28,6 +28,7 @@ def test_status_tiers_stats_and_prefixes_reflect_the_daemon(daemon):
     status = ctl_json(daemon, "status")
     assert status["model"]["num_layers"] == 30 and status["engine"]["block_size"] == 16
     assert status["socket"] == str(daemon.socket)
+    assert status["engine"]["attention_backend"] == "torch-reference"  # no GPU here: the reference path
     (device,) = ctl_json(daemon, "tiers")["tiers"]
     assert device["name"] == "device" and device["query_tokens"] > 0
     assert ctl_json(daemon, "stats")["requests"] >= 1

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kvtierd.kernels.backend import select_backend
 from kvtierd.kernels.paged_batch import PagedBatch
-from kvtierd.kernels.reference import ReferencePlan, paged_attention, write_kv
 from kvtierd.model.config import ModelConfig
 from kvtierd.model.rope import RotaryEmbedding
 from kvtierd.model.weights import ModelWeights
@@ -33,6 +33,7 @@ class LlamaModel:
         self.device = device
         self.dtype = dtype
         self.rope = RotaryEmbedding(config, device, dtype)
+        self.attention = select_backend(device)
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim
@@ -47,7 +48,8 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Returns the final hidden states `[num_tokens, hidden]` (normed, before the LM head)."""
         c = self.config
-        plan = ReferencePlan.build(batch)
+        attn_backend = self.attention
+        plan = attn_backend.build_plan(batch)
         cos, sin = self.rope.tables(positions)
         h = F.embedding(input_ids, self.weights.embed)
         num_qk_heads = c.num_heads + c.num_kv_heads
@@ -58,8 +60,8 @@ class LlamaModel:
             # q and k heads sit side by side in qkv: one rotation covers both.
             qk = self.rope.apply(qk.view(-1, num_qk_heads, c.head_dim), cos, sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-            write_kv(k_cache, v_cache, k, v.view(-1, c.num_kv_heads, c.head_dim), batch.slot_mapping)
-            attn = paged_attention(plan, q, k_cache, v_cache, self.scale)
+            attn_backend.write_kv(k_cache, v_cache, k, v.view(-1, c.num_kv_heads, c.head_dim), batch.slot_mapping)
+            attn = attn_backend.paged_attention(plan, q, k_cache, v_cache, self.scale)
             h = h + F.linear(attn.view(-1, self._q_size), layer.o)
             x = rms_norm(h, layer.ffn_norm, c.rms_norm_eps)
             gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)

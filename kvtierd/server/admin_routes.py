@@ -18,7 +18,7 @@ def engine_status(state: DaemonState) -> dict:
     eng = state.engine.engine
     pool = eng.kv.pool
     return {
-        "attention_backend": "torch-reference",
+        "attention_backend": state.loaded.model.attention.name,
         "running": len(eng.scheduler.running),
         "waiting": len(eng.scheduler.waiting),
         "block_size": eng.config.block_size,

@@ -1,0 +1,34 @@
+"""Which attention implementation a model uses: CUDA kernels where they can run, the torch reference elsewhere."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kvtierd.kernels import reference
+from kvtierd.kernels.paged_batch import PagedBatch
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionBackend:
+    name: str  # reported by `kvtierctl status`
+    build_plan: Callable[[PagedBatch], Any]  # once per step, shared by every layer
+    write_kv: Callable[..., None]  # (k_cache, v_cache, k, v, slot_mapping)
+    paged_attention: Callable[..., torch.Tensor]  # (plan, q, k_cache, v_cache, scale)
+
+
+REFERENCE = AttentionBackend("torch-reference", reference.ReferencePlan.build, reference.write_kv,
+                             reference.paged_attention)
+
+
+def select_backend(device: torch.device) -> AttentionBackend:
+    if device.type == "cuda":
+        from kvtierd.kernels import cuda_backend  # imports CuPy lazily; optional extra
+
+        if cuda_backend.cuda_kernels_available():
+            return AttentionBackend("cuda-cupy", cuda_backend.CudaPlan.build, cuda_backend.write_kv,
+                                    cuda_backend.paged_attention)
+    return REFERENCE
