@@ -171,3 +171,16 @@ def test_prefix_caching_can_be_turned_off(loaded, make_engine):
     run(engine)
     again = engine.add_request(p, GREEDY)
     assert run(engine)[again][-1].num_cached_tokens == 0
+
+
+def test_the_eviction_policy_and_prefix_ttl_reach_the_prefix_cache(loaded, make_engine):
+    p = chat(loaded, "A question about caches, asked twice after a while. " * 3)
+    short = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    keep = make_engine(block_size=4, eviction_policy="cost")
+    assert keep.kv.pool.eviction_policy == "cost"
+    run_one(keep, p, short)
+    assert run_one(keep, p, short)[-1].num_cached_tokens > 0
+    forget = make_engine(block_size=4, eviction_policy="lfu", prefix_ttl_s=1e-6)  # expired as soon as idle
+    run_one(forget, p, short)
+    assert run_one(forget, p, short)[-1].num_cached_tokens == 0
+    assert forget.kv.pool.evictions.expired > 0

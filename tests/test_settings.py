@@ -37,6 +37,8 @@ SAMPLES: dict[str, tuple[tuple[Any, Any], tuple[str, Any], tuple[Any, Any]]] = {
     "device": (("cpu", "cpu"), ("cuda", "cuda"), ("cuda:1", "cuda:1")),
     "block_size": ((32, 32), ("64", 64), (8, 8)),
     "kv_cache_bytes": (("512MiB", 512 << 20), ("2GB", 2 * 10**9), ("1GiB", 1 << 30)),
+    "eviction_policy": (("lfu", "lfu"), ("COST", "cost"), ("lru", "lru")),
+    "prefix_ttl_s": ((600, 600.0), ("3600", 3600.0), (0.5, 0.5)),
     "max_num_batched_tokens": ((1024, 1024), ("4096", 4096), (512, 512)),
     "max_num_seqs": ((8, 8), ("16", 16), (4, 4)),
     "max_model_len": ((2048, 2048), ("4096", 4096), (1024, 1024)),
@@ -86,6 +88,7 @@ def test_defaults():
     assert s.model is None
     assert s.device == "auto"
     assert (s.block_size, s.kv_cache_bytes) == (16, 1 << 30)
+    assert (s.eviction_policy, s.prefix_ttl_s) == ("lru", 0.0)
     assert (s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.default_max_tokens) == (2048, 64, 0, 512)
     assert s.store_url == f"sqlite:///{s.state_dir}/kvtierd.sqlite3"
 
@@ -139,6 +142,9 @@ BAD_VALUES = [
     ("socket_mode", "7777"),
     ("log_level", "verbose"),
     ("device", "gpu"),
+    ("eviction_policy", "fifo"),
+    ("prefix_ttl_s", "-1"),
+    ("prefix_ttl_s", "nan"),
 ]
 
 
@@ -167,6 +173,9 @@ def test_bad_value_from_a_flag_names_setting_and_source(name, value):
     ("socket_mode", False),
     ("drain_timeout_s", True),
     ("log_level", "loud"),
+    ("eviction_policy", "random"),
+    ("prefix_ttl_s", -5),
+    ("prefix_ttl_s", True),
 ])
 def test_bad_value_in_the_toml_file_names_setting_file_and_key(tmp_path, name, value):
     setting = BY_NAME[name]

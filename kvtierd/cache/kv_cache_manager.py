@@ -11,14 +11,15 @@ match) or by `fork`. A shared page is read-only: before a sequence writes into
 a shared partial page, it gets a private copy (copy-on-write); the copy is
 returned in `Allocation.copies` and the caller performs it on the device before
 the step writes. Full pages are indexed as soon as their tokens are computed
-(`commit`), so requests running at the same time already share them.
+(`commit`), so requests running at the same time already share them. Which
+idle cached page goes first when pages run out is the pool's eviction policy.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-from collections.abc import Sequence
 
 from kvtierd.cache.block_hash import BlockHash, hash_full_blocks
 from kvtierd.cache.block_pool import BlockPool
@@ -39,9 +40,16 @@ class PrefixHit:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        eviction_policy: str = "lru",
+        prefix_ttl_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.block_size = block_size
-        self.pool = BlockPool(num_blocks)
+        self.pool = BlockPool(num_blocks, eviction_policy, prefix_ttl_s, clock)
         self._tables: dict[str, PageTable] = {}
 
     @property
@@ -105,7 +113,8 @@ class KVCacheManager:
         new = hash_full_blocks(parent, token_ids[: num_computed - num_computed % self.block_size], self.block_size, done)
         bs = self.block_size
         for i, h in enumerate(new, start=done):
-            self.pool.cache(table.block_ids[i], h, token_ids[i * bs : (i + 1) * bs], root)
+            self.pool.cache(table.block_ids[i], h, token_ids[i * bs : (i + 1) * bs], root, depth=i, parent=parent)
+            parent = h
         table.block_hashes.extend(new)
 
     def evict_prefix(self, root: BlockHash, token_ids: Sequence[int]) -> int:
@@ -115,6 +124,16 @@ class KVCacheManager:
         hashes = hash_full_blocks(root, token_ids[: n * bs], bs)
         blocks = self.pool.lookup(hashes, [token_ids[i * bs : (i + 1) * bs] for i in range(n)])
         return sum(self.pool.evict(b) for b in blocks)
+
+    def invalidate_namespace(self, root: BlockHash) -> int:
+        """Drops every cached page of a namespace (a tenant's cache flushed); returns how many.
+
+        Sequences holding some keep reading them; those pages are freed uncached."""
+        return self.pool.invalidate_namespace(root)
+
+    def expire(self, now: float | None = None) -> int:
+        """Evicts a bounded number of idle cached pages past the prefix TTL; call between steps."""
+        return self.pool.expire(now)
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Makes `child_id` share every page of `parent_id` (e.g. for n > 1 samples)."""

@@ -1,8 +1,10 @@
-"""Engine settings: the KV budget and the batching limits."""
+"""Engine settings: the KV budget, the batching limits and the prefix cache's policy."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from kvtierd.cache.eviction import EVICTION_POLICIES
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -15,7 +17,13 @@ class EngineConfig:
     max_num_seqs: int = 64  # running requests at once
     max_model_len: int | None = None  # defaults to the model's context window
     enable_prefix_caching: bool = True  # reuse cached pages across requests (off: every prompt is computed)
+    eviction_policy: str = "lru"  # which idle cached page is reused first: lru, lfu or cost (cache/eviction.py)
+    prefix_ttl_s: float = 0.0  # an idle cached page expires after this long unused (0: never)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if self.eviction_policy not in EVICTION_POLICIES:
+            raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}")
+        if self.prefix_ttl_s < 0:
+            raise ValueError("prefix_ttl_s must be 0 (never expire) or positive")

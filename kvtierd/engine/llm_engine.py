@@ -55,7 +55,7 @@ class LLMEngine:
             )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.pool = DeviceKVPool(self.geometry, num_blocks, loaded.model.device)
-        self.kv = KVCacheManager(num_blocks, config.block_size)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.eviction_policy, config.prefix_ttl_s)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_prefix_caching)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
@@ -137,6 +137,7 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.kv.expire()  # bounded; a lookup also refuses an expired page by itself
         plan = self.scheduler.schedule()
         if plan.empty:
             return []

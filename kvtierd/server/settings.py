@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvtierd.cache.eviction import EVICTION_POLICIES
 from kvtierd.server.paths import default_socket_path, default_state_dir
 
 
@@ -86,6 +87,15 @@ def int_between(low: int, high: int | None = None) -> Callable[[Any], int]:
     return parse
 
 
+def float_at_least(low: float) -> Callable[[Any], float]:
+    def parse(value: Any) -> float:
+        x = parse_float(value)
+        if not x >= low:  # also refuses nan
+            raise ValueError(f"must be at least {low}, got {x}")
+        return x
+    return parse
+
+
 def one_of(*choices: str) -> Callable[[Any], str]:
     def parse(value: Any) -> str:
         text = str(value).strip().lower()
@@ -136,6 +146,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("device", "model", "device", "auto", parse_device, "auto, cpu, cuda or cuda:N"),
     Setting("block_size", "cache", "block_size", 16, int_between(1, 256), "tokens per KV page (1 to 256)"),
     Setting("kv_cache_bytes", "cache", "kv_cache_bytes", 1 << 30, parse_bytes, "device KV pool size"),
+    Setting("eviction_policy", "cache", "eviction_policy", "lru", one_of(*EVICTION_POLICIES),
+            "which idle cached page is reused first: lru, lfu (fewest hits) or cost (hits x (1 + depth in its chain))"),
+    Setting("prefix_ttl_s", "cache", "prefix_ttl_s", 0.0, float_at_least(0.0),
+            "seconds an idle cached page may go unused before it expires (0: never)"),
     Setting("max_num_batched_tokens", "engine", "max_num_batched_tokens", 2048, int_between(1), "tokens per engine step (chunked prefill budget)"),
     Setting("max_num_seqs", "engine", "max_num_seqs", 64, int_between(1), "requests running at once"),
     Setting("max_model_len", "engine", "max_model_len", 0, int_between(0), "context window in tokens (0: the model's)"),
@@ -162,6 +176,8 @@ class Settings:
     device: str
     block_size: int
     kv_cache_bytes: int
+    eviction_policy: str
+    prefix_ttl_s: float
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
