@@ -125,3 +125,74 @@ def bench_serve(
         f"{sum(r['cached_prompt_tokens'] for r in levels)}"
     )
     write_json(json_path, figures)
+
+
+@bench_app.command("reuse")
+def bench_reuse(
+    turns: Annotated[int, typer.Option(help="Multi-turn: chat turns over one document.")] = 8,
+    doc_tokens: Annotated[str, typer.Option(help="Document tokens: multi-turn,shared (one value: both).")] = (
+        "1500,2000"
+    ),
+    requests: Annotated[int, typer.Option(help="Shared document: questions over one document.")] = 16,
+    lookup_tokens: Annotated[int, typer.Option(help="Lookup cost: prompt length.")] = 1000,
+    threads: Annotated[
+        int, typer.Option(help="torch threads; 0: torch's default. 1 keeps small steps steady on a shared machine.")
+    ] = 1,
+    model: Annotated[Optional[str], typer.Option()] = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Prefix index on vs off: multi-turn TTFT, prefill tokens over a shared document, lookup cost."""
+    from kvtierd.bench.reuse_bench import run_reuse_bench
+    from kvtierd.model.loader import load_model
+
+    docs = _ints(doc_tokens)
+    if len(docs) not in (1, 2) or min(docs) < 1 or turns < 1 or requests < 1 or lookup_tokens < 2:
+        raise typer.BadParameter("--doc-tokens takes one or two positive counts; --turns and --requests >= 1, "
+                                 "--lookup-tokens >= 2")
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+    figures = run_reuse_bench(load_model(model), turns, docs[0], docs[-1], requests, lookup_tokens)
+    m = machine()
+    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), {m['date']}")
+    mt = figures["multi_turn"]
+    typer.echo(
+        f"multi-turn: {mt['turns']} turns over a {mt['doc_tokens']:,}-token document; each prompt is the whole "
+        f"rendered history; greedy replies of up to {mt['reply_tokens']} tokens from the cached run, so both "
+        "sides see the same prompts; TTFT is engine time, the two sides interleaved turn by turn"
+    )
+    print_table(
+        "multi-turn TTFT: prefix index vs full recompute",
+        ["turn", "prompt tokens", "cached", "TTFT hit ms", "TTFT recompute ms", "speedup"],
+        [[r["turn"], r["prompt_tokens"], r["cached_tokens"], r["ttft_cached_ms"], r["ttft_recompute_ms"],
+          r["speedup"]] for r in mt["rows"]],
+    )
+    if mt["speedup_later_turns_median"] is not None:
+        typer.echo(
+            f"turns 2-{mt['turns']}: speedup median {mt['speedup_later_turns_median']:.1f}x, "
+            f"min {mt['speedup_later_turns_min']:.1f}x (target >= {mt['target']:.0f}x)"
+        )
+    sd = figures["shared_document"]
+    typer.echo(
+        f"shared document: {sd['requests']} questions over one {sd['doc_tokens']:,}-token document, max_tokens 1 "
+        "(wall time is prefill); a fresh engine per row"
+    )
+    print_table(
+        f"shared document: prefill tokens computed of {sd['runs'][0]['prompt_tokens']:,} prompt tokens",
+        ["index", "sent", "computed", "cached", "fewer x", "no hit", "wall s", "wall x"],
+        [["on" if r["prefix_index"] else "off", r["submission"], r["prefill_tokens_computed"], r["cached_tokens"],
+          r["fewer_prefill_x"], r["requests_without_hit"], r["wall_s"], r["wall_speedup"]] for r in sd["runs"]],
+    )
+    typer.echo(f"target: >= {sd['target']:.0f}x fewer prefill tokens with the index. no hit: requests that found "
+               "no cached page. Without the index every prompt token is computed in any order, so it runs once.")
+    lk = figures["lookup"]
+    print_table(
+        f"hashing and lookup, block size {lk['block_size']} (medians)",
+        ["tokens", "hash us", "find_prefix us", "hit TTFT ms", "cold TTFT ms", "lookup / hit TTFT"],
+        [[lk["tokens"], lk["hash_us"], lk["lookup_us"], lk["hit_ttft_ms"], lk["cold_ttft_ms"],
+          f"{lk['lookup_share_of_hit_ttft']:.3%}"]],
+    )
+    typer.echo(f"find_prefix hashes the prompt, then confirms each page's tokens; target: < "
+               f"{lk['target_share']:.0%} of a hit's TTFT")
+    write_json(json_path, figures)
