@@ -65,7 +65,6 @@ def paged_attention(
     batch = plan.batch
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_cache.shape[2]
-    group = num_heads // kv_heads
     k_flat = k_cache.view(-1, kv_heads, head_dim)
     v_flat = v_cache.view(-1, kv_heads, head_dim)
     out = q.new_empty(q.shape)
@@ -74,8 +73,9 @@ def paged_attention(
     if nd:
         # One query per sequence: one padded attention call over the gathered pages.
         qd = q[:nd].unsqueeze(2)  # [nd, heads, 1, head_dim]
-        kd = k_flat[plan.decode_slots].transpose(1, 2)  # [nd, kv_heads, ctx, head_dim]
-        vd = v_flat[plan.decode_slots].transpose(1, 2)
+        slots = plan.decode_slots.flatten()
+        kd = k_flat.index_select(0, slots).view(nd, -1, kv_heads, head_dim).transpose(1, 2)  # [nd, kv_heads, ctx, head_dim]
+        vd = v_flat.index_select(0, slots).view(nd, -1, kv_heads, head_dim).transpose(1, 2)
         od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
         if nd == num_tokens:
             return od.view(nd, num_heads, head_dim)
@@ -85,15 +85,15 @@ def paged_attention(
     for i, slots in enumerate(plan.prefill_slots, start=nd):
         q_len, ctx = batch.query_lens_host[i], batch.context_lens_host[i]
         qi = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
-        ki = k_flat[slots].transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
-        vi = v_flat[slots].transpose(0, 1).repeat_interleave(group, dim=0).unsqueeze(0)
+        ki = k_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
+        vi = v_flat.index_select(0, slots).transpose(0, 1).unsqueeze(0)
         if q_len == ctx:
-            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
         else:
             # Bottom-right aligned causal mask: the new tokens follow the cached prefix.
             rows = torch.arange(q_len, device=q.device).unsqueeze(1) + (ctx - q_len)
             mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
         out[start : start + q_len] = oi.squeeze(0).transpose(0, 1)
         start += q_len
     assert start == num_tokens, "query_start_loc disagrees with q"
