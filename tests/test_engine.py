@@ -184,3 +184,14 @@ def test_the_eviction_policy_and_prefix_ttl_reach_the_prefix_cache(loaded, make_
     run_one(forget, p, short)
     assert run_one(forget, p, short)[-1].num_cached_tokens == 0
     assert forget.kv.pool.evictions.expired > 0
+
+
+def test_requests_sent_together_share_a_document_being_computed(loaded, make_engine):
+    doc = "Section 4 explains how pages are shared between requests. " * 12
+    prompts = [chat(loaded, doc + f"Question {i}: what is section {i} about?") for i in range(4)]
+    engine = make_engine(kv_tokens=4096)
+    ids = [engine.add_request(p, SamplingParams(max_tokens=1, temperature=0.0)) for p in prompts]
+    outs = run(engine)
+    cached = [outs[i][-1].num_cached_tokens for i in ids]
+    # The first computes the document; the others wait for its pages instead of computing them again.
+    assert cached[0] == 0 and all(c >= 96 for c in cached[1:]), cached

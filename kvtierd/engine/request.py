@@ -62,6 +62,7 @@ class Request:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    prompt_block_hashes: list[BlockHash] | None = None  # computed once, on first admission
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -15,6 +15,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from kvtierd.cache.block_hash import BlockHash, hash_full_blocks
 from kvtierd.cache.kv_cache_manager import Allocation, KVCacheManager, PrefixHit
 from kvtierd.engine.request import Request
 
@@ -98,8 +99,13 @@ class Scheduler:
             i += 1
 
         # No admissions in a step that had to preempt: memory is short.
+        inflight = self._inflight_hashes() if self.enable_prefix_caching and self.waiting else set()
+        deferred: list[Request] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not plan.preempted:
             req = self.waiting[0]
+            if inflight and not inflight.isdisjoint(self._prompt_hashes(req)):
+                deferred.append(self.waiting.popleft())  # its prefix is being computed: wait and reuse it
+                continue
             self._adopt_cached_prefix(req)
             n = min(req.num_pending_tokens, budget)
             alloc = self.kv.allocate_slots(req.request_id, n)
@@ -111,7 +117,25 @@ class Scheduler:
             self.running.append(req)
             self._add_to_plan(plan, ScheduledRequest(req, n, alloc))
             budget -= n
+            if self.enable_prefix_caching:
+                inflight.update(self._pending_prompt_hashes(req))
+        self.waiting.extendleft(reversed(deferred))
         return plan
+
+    def _prompt_hashes(self, req: Request) -> list[BlockHash]:
+        if req.prompt_block_hashes is None:
+            req.prompt_block_hashes = hash_full_blocks(req.cache_root, req.prompt_token_ids, self.kv.block_size)
+        return req.prompt_block_hashes
+
+    def _pending_prompt_hashes(self, req: Request) -> list[BlockHash]:
+        """Hashes of the prompt pages `req` has yet to compute (and index)."""
+        return self._prompt_hashes(req)[len(self.kv.table(req.request_id).block_hashes) :]
+
+    def _inflight_hashes(self) -> set[BlockHash]:
+        """Prompt pages running requests are computing now. A waiting request that
+        shares one waits for it instead of computing the same pages privately."""
+        return {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
+                for h in self._pending_prompt_hashes(r)}
 
     def _adopt_cached_prefix(self, req: Request) -> None:
         hit = self.kv.find_prefix(req.cache_root, req.token_ids) if self.enable_prefix_caching else PrefixHit([], [], 0)
