@@ -24,10 +24,6 @@ class DeviceKVPool:
             for _ in range(g.num_layers)
         ]
 
-    @property
-    def num_bytes(self) -> int:
-        return self.num_blocks * self.geometry.bytes_per_block
-
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies whole pages `src -> dst` in every layer (copy-on-write)."""
         if not pairs:

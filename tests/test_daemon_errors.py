@@ -11,7 +11,6 @@ session's consistency. The lifecycle tests start daemons of their own under shor
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
 import socket

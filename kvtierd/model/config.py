@@ -34,7 +34,3 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         assert self.num_heads % self.num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
