@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtierd.model.errors import ModelLoadError
+
 
 @dataclass(frozen=True, slots=True)
 class RopeScaling:
@@ -33,4 +35,5 @@ class ModelConfig:
     rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
-        assert self.num_heads % self.num_kv_heads == 0, "GQA needs num_heads divisible by num_kv_heads"
+        if self.num_kv_heads < 1 or self.num_heads % self.num_kv_heads:
+            raise ModelLoadError(f"{self.num_heads} attention heads cannot share {self.num_kv_heads} KV heads evenly")
