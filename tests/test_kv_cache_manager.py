@@ -1,10 +1,6 @@
-"""Page accounting: exact page ids on a tiny pool, and invariants under random workloads."""
+"""Page accounting and the prefix index: exact page ids on a tiny pool."""
 
 from __future__ import annotations
-
-from hypothesis import settings
-from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvtierd.cache.block_hash import hash_full_blocks, namespace_root
 from kvtierd.cache.kv_cache_manager import KVCacheManager
@@ -52,90 +48,8 @@ def test_a_full_shared_page_is_never_copied():
     assert w.copies == [] and kv.block_ids("c") == [0, 1]
 
 
-class PagePoolMachine(RuleBasedStateMachine):
-    """Random start (reusing cached prefixes) / append / fork / free on a tiny
-    pool, with a shadow of the device: reading a sequence's slots must give
-    back exactly its own tokens, however pages were shared or copied."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.kv = KVCacheManager(num_blocks=12, block_size=3)
-        self.cells: dict[int, int] = {}  # slot -> token id: the "device"
-        self.history: dict[str, list[int]] = {}  # each sequence's tokens
-        self.next_id = 0
-
-    def _write(self, seq: str, tokens: list[int]) -> bool:
-        alloc = self.kv.allocate_slots(seq, len(tokens))
-        if alloc is None:
-            return False
-        bs = self.kv.block_size
-        for src, dst in alloc.copies:
-            for off in range(bs):
-                if (src * bs + off) in self.cells:
-                    self.cells[dst * bs + off] = self.cells[src * bs + off]
-        for slot, t in zip(alloc.slots, tokens):
-            self.cells[slot] = t
-        self.history[seq] = self.history.get(seq, []) + tokens
-        self.kv.commit(seq, ROOT_A, self.history[seq], len(self.history[seq]))
-        return True
-
-    @rule(tokens=st.lists(st.integers(0, 2), min_size=1, max_size=9))
-    def start(self, tokens):
-        seq = f"s{self.next_id}"
-        self.next_id += 1
-        hit = self.kv.find_prefix(ROOT_A, tokens)
-        self.kv.adopt_prefix(seq, hit)
-        self.history[seq] = tokens[: hit.num_tokens]
-        if not self._write(seq, tokens[hit.num_tokens :]):
-            self.kv.free(seq)
-            del self.history[seq]
-
-    @precondition(lambda self: self.history)
-    @rule(data=st.data(), tokens=st.lists(st.integers(0, 2), min_size=1, max_size=4))
-    def append(self, data, tokens):
-        seq = data.draw(st.sampled_from(sorted(self.history)))
-        self._write(seq, tokens)
-
-    @precondition(lambda self: self.history)
-    @rule(data=st.data())
-    def fork(self, data):
-        parent = data.draw(st.sampled_from(sorted(self.history)))
-        child = f"s{self.next_id}"
-        self.next_id += 1
-        self.kv.fork(parent, child)
-        self.history[child] = list(self.history[parent])
-
-    @precondition(lambda self: self.history)
-    @rule(data=st.data())
-    def finish_or_cancel(self, data):
-        seq = data.draw(st.sampled_from(sorted(self.history)))
-        self.kv.free(seq)
-        del self.history[seq]
-
-    @invariant()
-    def each_sequence_sees_only_its_own_tokens(self):
-        for seq, expected in self.history.items():
-            table = self.kv.table(seq)
-            assert table.num_tokens == len(expected)
-            assert [self.cells[s] for s in table.slots(0, table.num_tokens)] == expected
-
-    @invariant()
-    def ref_counts_match_the_page_tables(self):
-        counts = [0] * self.kv.pool.num_blocks
-        for seq in self.history:
-            for b in self.kv.block_ids(seq):
-                counts[b] += 1
-        assert all(self.kv.pool.ref_count(b) == counts[b] >= 0 for b in range(len(counts)))
-        assert self.kv.num_free_blocks == counts.count(0)
-
-    def teardown(self):
-        for seq in list(self.history):
-            self.kv.free(seq)
-        assert self.kv.num_free_blocks == self.kv.pool.num_blocks  # no page leaked
-
-
-TestPagePool = PagePoolMachine.TestCase
-TestPagePool.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
+# The random-workload invariants (no leak, ref counts, each sequence reads back its own
+# tokens) run as state machines under every eviction policy in tests/test_eviction.py.
 
 
 ROOT_A = namespace_root("model-1", "tenant-a")
