@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvtierd.cache.block_hash import hash_full_blocks, namespace_root
+import pytest
+
+from kvtierd.cache.block_hash import HASH_FUNCTIONS, hash_full_blocks, namespace_root
 from kvtierd.cache.kv_cache_manager import KVCacheManager
 
 
@@ -107,3 +109,12 @@ def test_a_page_whose_tokens_do_not_match_its_hash_is_never_used():
     kv.pool.cache(kv.block_ids("a")[1], hashes[1], [7, 7, 7, 7], ROOT_A)
     hit = kv.find_prefix(ROOT_A, tokens)
     assert hit.block_ids == [kv.block_ids("a")[0]] and kv.pool.num_token_mismatches == 1
+
+
+@pytest.mark.parametrize("algorithm", HASH_FUNCTIONS)
+def test_every_hash_function_indexes_and_finds_pages(algorithm):
+    kv = KVCacheManager(num_blocks=8, block_size=4, hash_algorithm=algorithm)
+    root = namespace_root("model-1", "tenant-a", algorithm)
+    computed(kv, "a", list(range(10)), root)
+    assert kv.find_prefix(root, list(range(10))).block_ids == kv.block_ids("a")[:2]
+    assert len({namespace_root("model-1", "tenant-a", a) for a in HASH_FUNCTIONS}) == len(HASH_FUNCTIONS)

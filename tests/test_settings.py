@@ -39,6 +39,7 @@ SAMPLES: dict[str, tuple[tuple[Any, Any], tuple[str, Any], tuple[Any, Any]]] = {
     "kv_cache_bytes": (("512MiB", 512 << 20), ("2GB", 2 * 10**9), ("1GiB", 1 << 30)),
     "eviction_policy": (("lfu", "lfu"), ("COST", "cost"), ("lru", "lru")),
     "prefix_ttl_s": ((600, 600.0), ("3600", 3600.0), (0.5, 0.5)),
+    "hash_algorithm": (("sha256", "sha256"), ("xxh3-128", "xxh3-128"), ("md5", "md5")),
     "max_num_batched_tokens": ((1024, 1024), ("4096", 4096), (512, 512)),
     "max_num_seqs": ((8, 8), ("16", 16), (4, 4)),
     "max_model_len": ((2048, 2048), ("4096", 4096), (1024, 1024)),
@@ -144,6 +145,7 @@ BAD_VALUES = [
     ("device", "gpu"),
     ("eviction_policy", "fifo"),
     ("prefix_ttl_s", "-1"),
+    ("hash_algorithm", "crc32"),
     ("prefix_ttl_s", "nan"),
 ]
 

@@ -16,23 +16,32 @@ from array import array
 from collections.abc import Sequence
 from typing import NewType
 
+import xxhash
+
 BlockHash = NewType("BlockHash", bytes)
 
-HASH_FUNCTIONS = ("md5", "sha256")
+# md5 is the default; sha256 for those who want no known collisions; xxh3-128 is
+# the fastest (not cryptographic: the token check on every hit is what makes
+# any of them safe).
+HASH_FUNCTIONS = ("md5", "sha256", "xxh3-128")
+
+
+def _digest(algorithm: str, *parts: bytes) -> BlockHash:
+    if algorithm not in HASH_FUNCTIONS:
+        raise ValueError(f"hash function must be one of {', '.join(HASH_FUNCTIONS)}, not {algorithm!r}")
+    h = xxhash.xxh3_128() if algorithm == "xxh3-128" else hashlib.new(algorithm)
+    for part in parts:
+        h.update(part)
+    return BlockHash(h.digest())
 
 
 def namespace_root(fingerprint: str, tenant_salt: str, algorithm: str = "md5") -> BlockHash:
-    h = hashlib.new(algorithm)
-    h.update(fingerprint.encode())
-    h.update(b"\0")
-    h.update(tenant_salt.encode())
-    return BlockHash(h.digest())
+    # The algorithm is part of the root, so pages hashed one way never match another's.
+    return _digest(algorithm, algorithm.encode(), b"\0", fingerprint.encode(), b"\0", tenant_salt.encode())
 
 
 def hash_block(parent: BlockHash, tokens: Sequence[int], algorithm: str = "md5") -> BlockHash:
-    h = hashlib.new(algorithm, parent)
-    h.update(array("i", tokens).tobytes())
-    return BlockHash(h.digest())
+    return _digest(algorithm, parent, array("i", tokens).tobytes())
 
 
 def hash_full_blocks(

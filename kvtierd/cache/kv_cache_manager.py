@@ -47,8 +47,10 @@ class KVCacheManager:
         eviction_policy: str = "lru",
         prefix_ttl_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        hash_algorithm: str = "md5",
     ) -> None:
         self.block_size = block_size
+        self.hash_algorithm = hash_algorithm
         self.pool = BlockPool(num_blocks, eviction_policy, prefix_ttl_s, clock)
         self._tables: dict[str, PageTable] = {}
 
@@ -94,7 +96,7 @@ class KVCacheManager:
         least one token to compute (its logits give the next token)."""
         bs = self.block_size
         usable = (len(token_ids) - 1) // bs
-        hashes = hash_full_blocks(root, token_ids[: usable * bs], bs)
+        hashes = hash_full_blocks(root, token_ids[: usable * bs], bs, algorithm=self.hash_algorithm)
         chunks = [token_ids[i * bs : (i + 1) * bs] for i in range(usable)]
         blocks = self.pool.lookup(hashes, chunks)
         return PrefixHit(blocks, hashes[: len(blocks)], len(blocks) * bs)
@@ -110,7 +112,8 @@ class KVCacheManager:
         table = self._tables[seq_id]
         done = len(table.block_hashes)
         parent = table.block_hashes[-1] if done else root
-        new = hash_full_blocks(parent, token_ids[: num_computed - num_computed % self.block_size], self.block_size, done)
+        new = hash_full_blocks(parent, token_ids[: num_computed - num_computed % self.block_size], self.block_size, done,
+                               self.hash_algorithm)
         bs = self.block_size
         for i, h in enumerate(new, start=done):
             self.pool.cache(table.block_ids[i], h, token_ids[i * bs : (i + 1) * bs], root, depth=i, parent=parent)
@@ -121,7 +124,7 @@ class KVCacheManager:
         """Evicts the idle cached pages of `token_ids`' chain; returns how many."""
         bs = self.block_size
         n = len(token_ids) // bs
-        hashes = hash_full_blocks(root, token_ids[: n * bs], bs)
+        hashes = hash_full_blocks(root, token_ids[: n * bs], bs, algorithm=self.hash_algorithm)
         blocks = self.pool.lookup(hashes, [token_ids[i * bs : (i + 1) * bs] for i in range(n)])
         return sum(self.pool.evict(b) for b in blocks)
 

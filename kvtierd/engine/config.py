@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvtierd.cache.block_hash import HASH_FUNCTIONS
 from kvtierd.cache.eviction import EVICTION_POLICIES
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
@@ -19,11 +20,14 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse cached pages across requests (off: every prompt is computed)
     eviction_policy: str = "lru"  # which idle cached page is reused first: lru, lfu or cost (cache/eviction.py)
     prefix_ttl_s: float = 0.0  # an idle cached page expires after this long unused (0: never)
+    hash_algorithm: str = "md5"  # chained block hashes: md5, sha256 or xxh3-128 (cache/block_hash.py)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}")
+        if self.hash_algorithm not in HASH_FUNCTIONS:
+            raise ValueError(f"hash_algorithm must be one of {', '.join(HASH_FUNCTIONS)}")
         if self.prefix_ttl_s < 0:
             raise ValueError("prefix_ttl_s must be 0 (never expire) or positive")

@@ -55,7 +55,8 @@ class LLMEngine:
             )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.pool = DeviceKVPool(self.geometry, num_blocks, loaded.model.device)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.eviction_policy, config.prefix_ttl_s)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.eviction_policy, config.prefix_ttl_s,
+                                 hash_algorithm=config.hash_algorithm)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_prefix_caching)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
@@ -126,7 +127,7 @@ class LLMEngine:
         return self.kv.evict_prefix(self._root(tenant), token_ids)
 
     def _root(self, tenant: str) -> bytes:
-        root = namespace_root(self.loaded.fingerprint, tenant)
+        root = namespace_root(self.loaded.fingerprint, tenant, self.config.hash_algorithm)
         self.namespaces.setdefault(root, tenant)
         return root
 

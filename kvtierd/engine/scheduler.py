@@ -120,7 +120,8 @@ class Scheduler:
 
     def _prompt_hashes(self, req: Request) -> list[BlockHash]:
         if req.prompt_block_hashes is None:
-            req.prompt_block_hashes = hash_full_blocks(req.cache_root, req.prompt_token_ids, self.kv.block_size)
+            req.prompt_block_hashes = hash_full_blocks(req.cache_root, req.prompt_token_ids, self.kv.block_size,
+                                                       algorithm=self.kv.hash_algorithm)
         return req.prompt_block_hashes
 
     def _pending_prompt_hashes(self, req: Request) -> list[BlockHash]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from kvtierd.cache.block_hash import HASH_FUNCTIONS
 from kvtierd.cache.eviction import EVICTION_POLICIES
 from kvtierd.server.paths import default_socket_path, default_state_dir
 
@@ -150,6 +151,8 @@ SETTINGS: tuple[Setting, ...] = (
             "which idle cached page is reused first: lru, lfu (fewest hits) or cost (hits x (1 + depth in its chain))"),
     Setting("prefix_ttl_s", "cache", "prefix_ttl_s", 0.0, float_at_least(0.0),
             "seconds an idle cached page may go unused before it expires (0: never)"),
+    Setting("hash_algorithm", "cache", "hash_algorithm", "md5", one_of(*HASH_FUNCTIONS),
+            "chained block hash: md5, sha256 or xxh3-128 (hits are confirmed by their tokens either way)"),
     Setting("max_num_batched_tokens", "engine", "max_num_batched_tokens", 2048, int_between(1), "tokens per engine step (chunked prefill budget)"),
     Setting("max_num_seqs", "engine", "max_num_seqs", 64, int_between(1), "requests running at once"),
     Setting("max_model_len", "engine", "max_model_len", 0, int_between(0), "context window in tokens (0: the model's)"),
@@ -178,6 +181,7 @@ class Settings:
     kv_cache_bytes: int
     eviction_policy: str
     prefix_ttl_s: float
+    hash_algorithm: str
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
