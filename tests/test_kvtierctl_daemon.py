@@ -31,6 +31,7 @@ def test_status_tiers_stats_and_prefixes_reflect_the_daemon(daemon):
     assert status["engine"]["attention_backend"] == "torch-reference"  # no GPU here: the reference path
     (device,) = ctl_json(daemon, "tiers")["tiers"]
     assert device["name"] == "device" and device["query_tokens"] > 0
+    assert device["eviction_policy"] == "lru" and set(device["evictions"]) == {"capacity", "expired", "invalidated"}
     assert ctl_json(daemon, "stats")["requests"] >= 1
     prefixes = ctl_json(daemon, "prefixes", "ls", "--limit", "5")["prefixes"]
     assert 0 < len(prefixes) <= 5 and all(p["num_tokens"] == 16 for p in prefixes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from dataclasses import asdict
 
 from aiohttp import web
 
@@ -66,6 +67,8 @@ async def tiers(request: web.Request) -> web.Response:
         "query_tokens": c.prompt_tokens,
         "hit_tokens": c.cached_tokens,
         "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        "eviction_policy": eng.config.eviction_policy,
+        "evictions": asdict(pool.evictions),
     }]})
 
 
