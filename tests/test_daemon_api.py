@@ -449,10 +449,9 @@ def test_concurrent_streams_match_solo_runs(daemon, http):
 
 
 def test_openapi_documents_every_route(http):
-    from kvtierd.server import admin_routes, app, chat_routes, openapi, session_routes
+    from kvtierd.server.app import ROUTE_TABLES
 
-    tables = (chat_routes.routes, session_routes.routes, admin_routes.routes, openapi.routes, app.health_routes)
-    registered = {(route.method.lower(), route.path) for table in tables for route in table}
+    registered = {(route.method.lower(), route.path) for table in ROUTE_TABLES for route in table}
     doc = http.get("/openapi.json").json()
     documented = {(method, path) for path, ops in doc["paths"].items() for method in ops}
     assert registered - documented == set(), "routes missing from /openapi.json"

@@ -15,6 +15,7 @@ from kvtierd.engine.config import EngineConfig
 
 ROOT_A = namespace_root("model-1", "tenant-a")
 ROOT_B = namespace_root("model-1", "tenant-b")
+ROOT_P = namespace_root("model-1", "<public>")
 
 
 class FakeClock:
@@ -223,12 +224,14 @@ def test_invalidating_a_namespace_drops_its_pages_and_spares_the_others(policy):
 # --- random workloads, under each policy ----------------------------------------------------------------------
 
 class EvictionMachine(RuleBasedStateMachine):
-    """Random start (reusing cached prefixes of two namespaces) / append / fork / free,
-    with time passing, expiry, explicit eviction and namespace invalidation, on a tiny
-    pool. A shadow of the device checks that a sequence reads back exactly its tokens and
-    that a lookup only ever serves pages holding the tokens asked for; a recorder on the
-    pool checks what each allocation took: never-used pages first, and a cached page
-    never before an idle page that follows it in its chain."""
+    """Random start (reusing cached prefixes of two tenants and the public namespace,
+    and two sessions' context pools) / append / fork / free, with time passing, expiry,
+    and invalidation by namespace, prefix, tag and session, on a tiny pool. A shadow of
+    the device checks that a sequence reads back exactly its tokens and that a lookup
+    only ever serves pages holding the tokens asked for (session pools keep pages they
+    do not hold, which others may write); a recorder on the pool checks what each
+    allocation took: never-used pages first, and a cached page never before an idle
+    page that follows it in its chain."""
 
     policy = "lru"
     TTL = 5.0
@@ -237,10 +240,11 @@ class EvictionMachine(RuleBasedStateMachine):
         super().__init__()
         self.clock = FakeClock()
         self.kv = KVCacheManager(num_blocks=8, block_size=3, eviction_policy=self.policy,
-                                 prefix_ttl_s=self.TTL, clock=self.clock)
+                                 prefix_ttl_s=self.TTL, clock=self.clock, public_root=ROOT_P)
         self.cells: dict[int, int] = {}  # slot -> token id: the "device"
         self.history: dict[str, list[int]] = {}
         self.roots: dict[str, bytes] = {}
+        self.sessions: dict[str, str] = {}  # sequence -> its session
         self.next_id = 0
         pool = self.kv.pool
         allocate = pool.allocate
@@ -281,26 +285,44 @@ class EvictionMachine(RuleBasedStateMachine):
         self.kv.commit(seq, self.roots[seq], self.history[seq], len(self.history[seq]))
         return True
 
-    @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=9), tenant_b=st.booleans(), reuse=st.booleans())
-    def start(self, tokens, tenant_b, reuse):
+    @rule(tokens=st.lists(st.integers(0, 1), min_size=1, max_size=9), root=st.sampled_from([ROOT_A, ROOT_B, ROOT_P]),
+          reuse=st.booleans(), session=st.sampled_from([None, "x", "y"]), tag=st.sampled_from([None, "doc:v1"]))
+    def start(self, tokens, root, reuse, session, tag):
         """A request; one that does not reuse (prefix caching off, or admitted beside
         one computing the same prompt) makes a chain whose pages come from two requests."""
+        self._start(tokens, root, reuse, session, tag)
+
+    @rule(root=st.sampled_from([ROOT_A, ROOT_B]), session=st.sampled_from(["x", "y"]), keep=st.integers(0, 12),
+          new=st.lists(st.integers(0, 1), min_size=1, max_size=5))
+    def next_turn(self, root, session, keep, new):
+        """A session's next turn: its kept tokens (cut short: an edited history) and new ones."""
+        chain = self.kv.sessions.get((root, session))
+        if chain is not None:
+            self._start(chain.token_ids[:keep] + new, root, True, session, None)
+
+    def _start(self, tokens, root, reuse, session, tag):
         seq = f"s{self.next_id}"
         self.next_id += 1
-        root = ROOT_B if tenant_b else ROOT_A
-        hit = self.kv.find_prefix(root, tokens) if reuse else PrefixHit([], [], 0)
+        hit = self.kv.find_prefix(root, tokens, session) if reuse else PrefixHit([], [], 0)
         bs, pool = self.kv.block_size, self.kv.pool
-        served = [self.cells[b * bs + off] for b in hit.block_ids for off in range(bs)]
+        served = [self.cells[hit.block_ids[p // bs] * bs + p % bs] for p in range(hit.num_tokens)]
         assert served == tokens[: hit.num_tokens], "a lookup served pages holding other tokens"
         for b in hit.block_ids:
-            assert pool.page_info(b).root == root
+            page = pool.page_info(b)
+            if hit.source == "session":
+                assert page is None or page.root in (root, ROOT_P)
+                continue
+            assert page.root in (root, ROOT_P) and (page.root == root or hit.source == "public")
             assert pool.ref_count(b) > 0 or self.clock.now - pool.last_access[b] < self.TTL, "served an expired page"
-        self.kv.adopt_prefix(seq, hit)
+        self.kv.adopt_prefix(seq, hit, tag)
         self.roots[seq] = root
+        if session is not None:
+            self.sessions[seq] = session
         self.history[seq] = tokens[: hit.num_tokens]
         if not self._write(seq, tokens[hit.num_tokens :]):
             self.kv.free(seq)
             del self.history[seq], self.roots[seq]
+            self.sessions.pop(seq, None)
 
     @precondition(lambda self: self.history)
     @rule(data=st.data(), tokens=st.lists(st.integers(0, 1), min_size=1, max_size=4))
@@ -322,6 +344,9 @@ class EvictionMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def finish_or_cancel(self, data):
         seq = data.draw(st.sampled_from(sorted(self.history)))
+        session = self.sessions.pop(seq, None)
+        if session is not None:
+            self.kv.keep_session(seq, (self.roots[seq], session), self.history[seq], len(self.history[seq]))
         self.kv.free(seq)
         del self.history[seq], self.roots[seq]
 
@@ -335,17 +360,30 @@ class EvictionMachine(RuleBasedStateMachine):
         pool = self.kv.pool
         assert all(self.clock.now - pool.last_access[b] < self.TTL for b in pool.idle_cached_blocks())
 
-    @rule(tenant_b=st.booleans())
-    def invalidate(self, tenant_b):
-        root = ROOT_B if tenant_b else ROOT_A
+    @rule(root=st.sampled_from([ROOT_A, ROOT_B, ROOT_P]))
+    def invalidate(self, root):
         self.kv.invalidate_namespace(root)
-        assert all(r != root for _, _, r, _ in self.kv.pool.cached_blocks())
+        assert all(page.root != root for _, page in self.kv.pool.cached_blocks())
 
     @precondition(lambda self: self.history)
     @rule(data=st.data())
-    def drop_prefix(self, data):
+    def invalidate_prefix(self, data):
         seq = data.draw(st.sampled_from(sorted(self.history)))
-        self.kv.evict_prefix(self.roots[seq], self.history[seq])
+        root, tokens = self.roots[seq], self.history[seq] + [0]
+        before = self.kv.find_prefix(root, tokens).num_tokens
+        self.kv.invalidate_prefix(root, self.history[seq])
+        after = self.kv.find_prefix(root, tokens)
+        assert after.source != "prefix" or after.num_tokens < before  # its last page went (shared ones may stay)
+
+    @rule()
+    def invalidate_tag(self):
+        self.kv.invalidate_tag("doc:v1")
+        assert not any("doc:v1" in tags for tags in self.kv.pool.tags.values())
+
+    @rule(root=st.sampled_from([ROOT_A, ROOT_B, ROOT_P]), session=st.sampled_from(["x", "y"]))
+    def invalidate_session(self, root, session):
+        self.kv.invalidate_session((root, session))
+        assert self.kv.find_prefix(root, [0] * 9, session).source != "session"
 
     @invariant()
     def each_sequence_sees_only_its_own_tokens(self):
@@ -391,3 +429,4 @@ TestLFU = LFUMachine.TestCase
 TestCost = CostMachine.TestCase
 for _case in (TestLRU, TestLFU, TestCost):
     _case.settings = MACHINE_SETTINGS
+del _case  # else pytest collects the loop variable as one more test class

@@ -126,11 +126,16 @@ PREFIXES = {
     "prefixes": [
         {
             "hash": "9f86d081884c7d659a2feaa0c55ad015",
-            "namespace": "smollm2/acme",
+            "tenant": "acme",
             "num_tokens": 256,
-            "ref_count": 2,
+            "pages": 16,
             "hits": 17,
-            "last_access_s_ago": 12.5,
+            "first_page_hits": 40,
+            "last_hit_s_ago": 12.5,
+            "in_use": True,
+            "tier": "device",
+            "pinned": False,
+            "tags": ["doc:v3"],
             "preview": "<|im_start|>system\nYou are",
         }
     ]
@@ -380,7 +385,7 @@ def test_sessions_rm_deletes(fake: FakeDaemon):
 
 def test_prefixes_table(fake: FakeDaemon):
     out = table_of(fake, "prefixes", "ls", "--limit", "3")
-    for value in ("9f86d081884c7d65", "smollm2/acme", "256", "17", "12s ago", "<|im_start|>system"):
+    for value in ("9f86d081884c7d65", "acme", "256", "17", "40", "12s ago", "device*", "doc:v3", "<|im_start|>system"):
         assert value in out, value
     assert fake.requests == [("GET", "/admin/prefixes", {"limit": "3"})]
 

@@ -34,7 +34,8 @@ def test_status_tiers_stats_and_prefixes_reflect_the_daemon(daemon):
     assert device["eviction_policy"] == "lru" and set(device["evictions"]) == {"capacity", "expired", "invalidated"}
     assert ctl_json(daemon, "stats")["requests"] >= 1
     prefixes = ctl_json(daemon, "prefixes", "ls", "--limit", "5")["prefixes"]
-    assert 0 < len(prefixes) <= 5 and all(p["num_tokens"] == 16 for p in prefixes)
+    assert 0 < len(prefixes) <= 5
+    assert all(p["num_tokens"] == 16 * p["pages"] and p["tier"] == "device" for p in prefixes)
     for command in (["status"], ["tiers"], ["stats"], ["prefixes", "ls"]):
         done = ctl(daemon, *command)
         assert done.returncode == 0 and done.stdout.strip() and not done.stderr, (command, done.stderr)
@@ -49,6 +50,10 @@ def test_sessions_ls_show_rm(daemon):
     assert [s["id"] for s in listed] == [sid] and listed[0]["num_messages"] == 2
     shown = ctl_json(daemon, "sessions", "show", sid)
     assert [m["role"] for m in shown["messages"]] == ["user", "assistant"]
+    kv = shown["kv"]  # its context pool: the prompt and the reply but the last token
+    assert kv["num_tokens"] == shown["messages"][1]["prompt_tokens"] + shown["messages"][1]["completion_tokens"] - 1
+    assert kv["resident_tokens"] == kv["num_tokens"] and kv["pages"][0]["tier"] == "device"
+    assert "Context pool" in ctl(daemon, "sessions", "show", sid).stdout
     assert "ctl session" in ctl(daemon, "sessions", "ls", "--tenant", "ctl-test").stdout
     removed = ctl(daemon, "sessions", "rm", sid)
     assert removed.returncode == 0 and sid in removed.stdout

@@ -40,6 +40,11 @@ SAMPLES: dict[str, tuple[tuple[Any, Any], tuple[str, Any], tuple[Any, Any]]] = {
     "eviction_policy": (("lfu", "lfu"), ("COST", "cost"), ("lru", "lru")),
     "prefix_ttl_s": ((600, 600.0), ("3600", 3600.0), (0.5, 0.5)),
     "hash_algorithm": (("sha256", "sha256"), ("xxh3-128", "xxh3-128"), ("md5", "md5")),
+    "prefix_min_hits_per_hour": ((2, 2.0), ("0.5", 0.5), (0, 0.0)),
+    "session_idle_ttl_s": ((60, 60.0), ("86400", 86400.0), (0, 0.0)),
+    "truncation": (("off", "off"), ("tokens", "tokens"), ("turns", "turns")),
+    "truncation_keep_turns": ((1, 1), ("20", 20), (4, 4)),
+    "truncation_keep_tokens": ((0, 0), ("1024", 1024), (4096, 4096)),
     "max_num_batched_tokens": ((1024, 1024), ("4096", 4096), (512, 512)),
     "max_num_seqs": ((8, 8), ("16", 16), (4, 4)),
     "max_model_len": ((2048, 2048), ("4096", 4096), (1024, 1024)),
@@ -146,6 +151,9 @@ BAD_VALUES = [
     ("eviction_policy", "fifo"),
     ("prefix_ttl_s", "-1"),
     ("hash_algorithm", "crc32"),
+    ("truncation", "middle"),
+    ("truncation_keep_turns", "0"),
+    ("session_idle_ttl_s", "-1"),
     ("prefix_ttl_s", "nan"),
 ]
 

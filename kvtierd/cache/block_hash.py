@@ -53,3 +53,12 @@ def hash_full_blocks(
         parent = hash_block(parent, token_ids[b * block_size : (b + 1) * block_size], algorithm)
         out.append(parent)
     return out
+
+
+def rebase(public_hash: BlockHash, tenant_root: BlockHash, algorithm: str = "md5") -> BlockHash:
+    """Where a tenant's own pages chain from after a public prefix's last page.
+
+    Pages after a public prefix hold the tenant's tokens, so they chain under
+    the tenant's root as well: another tenant with the same continuation gets
+    another hash, and only the public part is shared."""
+    return _digest(algorithm, public_hash, b"\0rebase\0", tenant_root)

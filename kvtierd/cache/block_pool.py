@@ -6,11 +6,20 @@ it back (`touch`). Allocation takes never-used pages first (no hash: nothing
 is lost), then asks the eviction policy (`cache/eviction.py`) which idle cached
 page goes, and forgets that page's hash then.
 
-An idle cached page expires after `prefix_ttl_s` seconds without a use (0:
-never): a lookup that meets it counts a miss and evicts it, and `expire`
-sweeps the oldest few between engine steps. `invalidate_namespace` drops a
-namespace's pages on request; pages in use keep their contents for their
-holders and come back uncached when released. Evictions are counted by reason.
+An idle cached page expires after `prefix_ttl_s` seconds without a use, or
+once its hit rate has stayed under `prefix_min_hits_per_hour` for an hour
+(0: never): a lookup that meets an expired page counts a miss and evicts it,
+and `expire` sweeps a few between engine steps.
+
+Invalidation (by namespace, tag, or a page and what was chained after it)
+unindexes pages at once: no new request can find them. Pages in use keep their
+contents for their holders and come back uncached when released. Unindexing a
+page unindexes every page chained after it too: they would be unreachable.
+Evictions are counted by reason.
+
+Every page has a generation, bumped whenever its contents may change (it is
+allocated, written in place, or unindexed): a session pool keeps pages it does
+not hold by (page, generation) and uses them only while that still matches.
 
 Running out of pages is a normal outcome (`allocate` returns None and the
 caller waits or preempts); a broken count is a bug and asserts.
@@ -19,7 +28,7 @@ caller waits or preempts); a broken count is a bug and asserts.
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -27,15 +36,19 @@ from kvtierd.cache.block_hash import BlockHash
 from kvtierd.cache.eviction import EvictionCounts, EvictionPolicy, IdlePage, make_policy
 
 
+HOUR_S = 3600.0
+
+
 @dataclass(slots=True, frozen=True)
 class CachedPage:
     """What the prefix index knows of one page."""
 
     block_hash: BlockHash
-    root: BlockHash  # the namespace: model fingerprint + tenant
+    root: BlockHash  # the namespace: model fingerprint + tenant (or the public namespace)
     tokens: tuple[int, ...]
     depth: int  # position in its chain: 0 for the first page
     parent_hash: BlockHash | None  # the previous page's hash; None at depth 0
+    cached_at: float
 
 
 class BlockPool:
@@ -45,24 +58,32 @@ class BlockPool:
         eviction_policy: str = "lru",
         prefix_ttl_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
+        prefix_min_hits_per_hour: float = 0.0,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one page; raise the KV budget")
-        if prefix_ttl_s < 0:
-            raise ValueError("prefix_ttl_s must be 0 (never expire) or positive")
+        if prefix_ttl_s < 0 or prefix_min_hits_per_hour < 0:
+            raise ValueError("prefix_ttl_s and prefix_min_hits_per_hour must be 0 (off) or positive")
         self.num_blocks = num_blocks
         self.prefix_ttl_s = prefix_ttl_s
+        self.prefix_min_hits_per_hour = prefix_min_hits_per_hour
         self._clock = clock
         self._ref_counts = [0] * num_blocks
+        self.generation = [0] * num_blocks
         # Free pages: never-used ones (no hash) in their own queue, taken first;
         # idle cached ones in the policy, and in release order for expiry.
         self._uncached: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._policy: EvictionPolicy = make_policy(eviction_policy)
         self._idle_cached: OrderedDict[int, None] = OrderedDict()  # oldest release first
         self._release_seq = 0
-        # Prefix index: hash -> page, and what each cached page holds.
+        self._rate_sweep: list[int] = []  # idle pages left to check against the hit-rate floor
+        # Prefix index: hash -> page, what each cached page holds, and what was chained after it.
         self._by_hash: dict[BlockHash, int] = {}
         self._cached: dict[int, CachedPage] = {}
+        self._children: dict[BlockHash, set[int]] = {}
+        self._root_pages: Counter[BlockHash] = Counter()
+        self.tags: dict[int, set[str]] = {}
+        self._tagged: dict[str, set[int]] = {}
         self.hits: dict[int, int] = {}
         self.last_access: dict[int, float] = {}
         self.num_token_mismatches = 0
@@ -91,6 +112,12 @@ class BlockPool:
     def page_info(self, block_id: int) -> CachedPage | None:
         return self._cached.get(block_id)
 
+    def block_of(self, block_hash: BlockHash) -> int | None:
+        return self._by_hash.get(block_hash)
+
+    def has_namespace(self, root: BlockHash) -> bool:
+        return self._root_pages[root] > 0
+
     def allocate(self, n: int) -> list[int] | None:
         """Takes `n` free pages with ref count 1, or None if there are fewer free."""
         if n > self.num_free_blocks:
@@ -102,12 +129,16 @@ class BlockPool:
             else:
                 b = self._policy.pop()
                 del self._idle_cached[b]
-                self._forget(b)
-                self.evictions.capacity += 1
+                self.evictions.capacity += self._unindex_tree(b)
             assert self._ref_counts[b] == 0, f"free page {b} still referenced"
             self._ref_counts[b] = 1
+            self.generation[b] += 1
             blocks.append(b)
         return blocks
+
+    def note_write(self, block_id: int) -> None:
+        """A holder writes into a page it already had: weak references to it go stale."""
+        self.generation[block_id] += 1
 
     def share(self, block_ids: Sequence[int]) -> None:
         for b in block_ids:
@@ -115,7 +146,7 @@ class BlockPool:
             self._ref_counts[b] += 1
 
     def touch(self, block_ids: Sequence[int]) -> None:
-        """Takes a reference on cached pages, taking them out of the free pages if idle."""
+        """Takes a reference on cached (or weakly kept) pages, taking them out of the free pages if idle."""
         now = self._clock()
         for b in block_ids:
             if self._ref_counts[b] == 0:
@@ -170,9 +201,20 @@ class BlockPool:
         if depth > 0 and parent not in self._by_hash:
             return  # its chain's head was dropped (invalidated): no lookup could reach it
         assert self._ref_counts[block_id] > 0, f"indexing page {block_id}, which nobody holds"
+        now = self._clock()
         self._by_hash[block_hash] = block_id
-        self._cached[block_id] = CachedPage(block_hash, root, tuple(tokens), depth, parent if depth > 0 else None)
-        self.last_access[block_id] = self._clock()
+        self._cached[block_id] = CachedPage(block_hash, root, tuple(tokens), depth, parent if depth > 0 else None, now)
+        if depth > 0:
+            self._children.setdefault(parent, set()).add(block_id)
+        self._root_pages[root] += 1
+        self.last_access[block_id] = now
+
+    def tag(self, block_ids: Sequence[int], tag: str) -> None:
+        """Marks indexed pages as derived from `tag` (e.g. a document version)."""
+        for b in block_ids:
+            if b in self._cached:
+                self.tags.setdefault(b, set()).add(tag)
+                self._tagged.setdefault(tag, set()).add(b)
 
     def lookup(self, hashes: Sequence[BlockHash], token_chunks: Sequence[Sequence[int]]) -> list[int]:
         """Pages of the longest cached prefix of `hashes`, each confirmed by its tokens.
@@ -188,78 +230,144 @@ class BlockPool:
                 self.num_token_mismatches += 1  # a collision or a planted value: never served
                 break
             if self._is_expired(b, now):
-                self._expire_chain(hashes[len(found):], now)
+                self.evictions.expired += self._unindex_tree(b)
                 break
             found.append(b)
         return found
 
     def expire(self, now: float | None = None, max_pages: int = 64) -> int:
-        """Evicts up to `max_pages` idle cached pages unused for `prefix_ttl_s`, oldest first; returns how many."""
-        if not self.prefix_ttl_s:
+        """Evicts up to about `max_pages` expired idle cached pages; returns how many.
+
+        Past the TTL: the oldest released first. Under the hit-rate floor: a
+        bounded part of a sweep over the idle pages each call."""
+        if not (self.prefix_ttl_s or self.prefix_min_hits_per_hour):
             return 0
         now = self._clock() if now is None else now
         n = 0
-        while n < max_pages and self._idle_cached:
+        while self.prefix_ttl_s and n < max_pages and self._idle_cached:
             b = next(iter(self._idle_cached))
-            if not self._is_expired(b, now):
+            if now - self.last_access[b] < self.prefix_ttl_s:
                 break  # the rest were released later
-            self._drop(b)
-            n += 1
+            n += self._unindex_tree(b)
+        if self.prefix_min_hits_per_hour:
+            if not self._rate_sweep:
+                self._rate_sweep = list(self._idle_cached)
+            for _ in range(min(max_pages, len(self._rate_sweep))):
+                b = self._rate_sweep.pop()
+                if b in self._idle_cached and self._is_expired(b, now):
+                    n += self._unindex_tree(b)
         self.evictions.expired += n
         return n
 
+    def _is_expired(self, block_id: int, now: float) -> bool:
+        if self._ref_counts[block_id] != 0:
+            return False
+        if self.prefix_ttl_s and now - self.last_access[block_id] >= self.prefix_ttl_s:
+            return True
+        age_h = (now - self._cached[block_id].cached_at) / HOUR_S
+        # An hour's grace, so a new page can earn its first hits.
+        return bool(self.prefix_min_hits_per_hour) and age_h >= 1.0 and \
+            self.hits.get(block_id, 0) / age_h < self.prefix_min_hits_per_hour
+
+    # -- invalidation ------------------------------------------------------------------
+
     def evict(self, block_id: int) -> bool:
-        """Forgets an idle cached page now and puts it first in line for reuse."""
+        """Forgets an idle cached page now (and what was chained after it); it goes first in line for reuse."""
         if self._ref_counts[block_id] != 0 or block_id not in self._cached:
             return False
-        self._drop(block_id)
-        self.evictions.invalidated += 1
+        self.evictions.invalidated += self._unindex_tree(block_id)
         return True
 
-    def invalidate_namespace(self, root: BlockHash) -> int:
-        """Drops every page of namespace `root` from the index; returns how many.
+    def unindex_subtree(self, block_id: int) -> int:
+        """Unindexes a page and every page chained after it; returns how many (the caller counts them)."""
+        return self._unindex_tree(block_id) if block_id in self._cached else 0
 
-        Idle ones become never-used pages now; pages in use stay with their
-        holders and come back uncached when released."""
-        pages = [b for b, page in self._cached.items() if page.root == root]
-        for b in pages:
-            self._drop(b)
-        self.evictions.invalidated += len(pages)
-        return len(pages)
+    def unindex_from(self, block_id: int) -> int:
+        """Unindexes a page, every page chained after it, and the pages before it
+        that nothing else was chained after: a prefix and what was derived from it,
+        sparing what other prefixes still share. Returns how many (the caller
+        counts them under its reason)."""
+        page = self._cached.get(block_id)
+        if page is None:
+            return 0
+        n = self._unindex_tree(block_id)
+        parent = page.parent_hash
+        while parent is not None and parent not in self._children:
+            b = self._by_hash.get(parent)
+            if b is None:
+                break
+            parent = self._cached[b].parent_hash
+            n += self._unindex_tree(b)
+        return n
+
+    def invalidate_namespace(self, root: BlockHash) -> int:
+        """Drops every page of namespace `root` from the index; returns how many."""
+        return self._invalidate([b for b, page in self._cached.items() if page.root == root])
+
+    def invalidate_tag(self, tag: str) -> int:
+        """Drops every page marked with `tag` and everything chained after them; returns how many."""
+        return self._invalidate(list(self._tagged.get(tag, ())))
+
+    def invalidate_all(self) -> int:
+        return self._invalidate(list(self._cached))
+
+    def _invalidate(self, block_ids: list[int]) -> int:
+        n = sum(self._unindex_tree(b) for b in block_ids if b in self._cached)
+        self.evictions.invalidated += n
+        return n
+
+    # -- reports ------------------------------------------------------------------------
 
     def idle_cached_blocks(self) -> list[int]:
         """Cached pages nobody holds, least recently used first."""
         return list(self._idle_cached)
 
-    def cached_blocks(self) -> list[tuple[int, BlockHash, BlockHash, tuple[int, ...]]]:
-        """(page, hash, namespace root, tokens) of every indexed page."""
-        return [(b, p.block_hash, p.root, p.tokens) for b, p in self._cached.items()]
+    def cached_blocks(self) -> list[tuple[int, CachedPage]]:
+        """Every indexed page and what the index knows of it."""
+        return list(self._cached.items())
 
-    def _expire_chain(self, hashes: Sequence[BlockHash], now: float) -> None:
-        """Evicts the expired run of a chain that a lookup met: unreachable now anyway."""
-        for h in hashes:
-            b = self._by_hash.get(h)
-            if b is None or not self._is_expired(b, now):
-                return
-            self._drop(b)
-            self.evictions.expired += 1
+    def is_leaf(self, block_id: int) -> bool:
+        """An indexed page nothing is chained after: the end of a cached prefix."""
+        page = self._cached.get(block_id)
+        return page is not None and page.block_hash not in self._children
 
-    def _is_expired(self, block_id: int, now: float) -> bool:
-        return (self.prefix_ttl_s > 0 and self._ref_counts[block_id] == 0
-                and now - self.last_access[block_id] >= self.prefix_ttl_s)
+    def chain_to(self, block_id: int) -> list[int]:
+        """The indexed pages from the start of `block_id`'s chain to it."""
+        chain = [block_id]
+        parent = self._cached[block_id].parent_hash
+        while parent is not None:
+            chain.append(self._by_hash[parent])  # an indexed page's parent is indexed
+            parent = self._cached[chain[-1]].parent_hash
+        return chain[::-1]
 
-    def _drop(self, block_id: int) -> None:
-        """Unindexes a cached page; an idle one goes first in line for reuse."""
-        if self._ref_counts[block_id] == 0:
-            self._policy.discard(block_id)
-            del self._idle_cached[block_id]
-            self._uncached[block_id] = None
-            self._uncached.move_to_end(block_id, last=False)
-        self._forget(block_id)
-
-    def _forget(self, block_id: int) -> None:
-        page = self._cached.pop(block_id, None)
-        if page is not None:
+    def _unindex_tree(self, block_id: int) -> int:
+        """Unindexes a page and every indexed page chained after it; idle ones go
+        first in line for reuse as never-used pages. Returns how many."""
+        n = 0
+        stack = [block_id]
+        while stack:
+            b = stack.pop()
+            page = self._cached.pop(b)
             del self._by_hash[page.block_hash]
-        self.hits.pop(block_id, None)
-        self.last_access.pop(block_id, None)
+            stack.extend(self._children.pop(page.block_hash, ()))
+            if page.parent_hash is not None:
+                siblings = self._children.get(page.parent_hash)
+                if siblings is not None:
+                    siblings.discard(b)
+                    if not siblings:
+                        del self._children[page.parent_hash]
+            self._root_pages[page.root] -= 1
+            for tag in self.tags.pop(b, ()):
+                self._tagged[tag].discard(b)
+                if not self._tagged[tag]:
+                    del self._tagged[tag]
+            self.hits.pop(b, None)
+            self.last_access.pop(b, None)
+            self.generation[b] += 1
+            if b in self._idle_cached:
+                self._policy.discard(b)
+                del self._idle_cached[b]
+                self._uncached[b] = None
+                self._uncached.move_to_end(b, last=False)
+            n += 1
+        return n

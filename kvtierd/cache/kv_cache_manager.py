@@ -7,12 +7,18 @@
 
 Pages are shared between sequences by reference count: through the prefix
 index (`find_prefix` + `adopt_prefix`: full pages whose chained hash and tokens
-match) or by `fork`. A shared page is read-only: before a sequence writes into
-a shared partial page, it gets a private copy (copy-on-write); the copy is
-returned in `Allocation.copies` and the caller performs it on the device before
-the step writes. Full pages are indexed as soon as their tokens are computed
+match), a session's context pool (`cache/session_pool.py`), or `fork`. A
+shared or indexed page is read-only: before a sequence writes into one that is
+partly filled, it gets a private copy (copy-on-write); the copy is returned in
+`Allocation.copies` and the caller performs it on the device before the step
+writes. Full pages are indexed as soon as their tokens are computed
 (`commit`), so requests running at the same time already share them. Which
 idle cached page goes first when pages run out is the pool's eviction policy.
+
+Public prefixes live in their own namespace, which every tenant's lookup also
+tries. A tenant's pages after a public prefix chain from the public page's
+hash rebased onto the tenant's root (`block_hash.rebase`), so only the public
+part is ever shared.
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvtierd.cache.block_hash import BlockHash, hash_full_blocks
+from kvtierd.cache.block_hash import BlockHash, hash_full_blocks, rebase
 from kvtierd.cache.block_pool import BlockPool
 from kvtierd.cache.page_table import PageTable
+from kvtierd.cache.session_pool import SessionChain, SessionKey, SessionPools
 
 
 @dataclass(slots=True)
@@ -32,11 +39,32 @@ class Allocation:
     copies: list[tuple[int, int]]  # (src page, dst page) to copy before writing
 
 
+@dataclass(frozen=True, slots=True)
+class SessionPage:
+    block_id: int
+    num_tokens: int
+    resident: bool  # still holds what the session left there
+    indexed: bool  # also in the prefix index
+
+
+@dataclass(frozen=True, slots=True)
+class SessionView:
+    num_tokens: int
+    pages: list[SessionPage]
+    idle_s: float
+
+
 @dataclass(slots=True)
 class PrefixHit:
-    block_ids: list[int]
-    block_hashes: list[BlockHash]
+    block_ids: list[int]  # the last one may be partly used (a session hit)
+    block_hashes: list[BlockHash]  # of the leading full pages
     num_tokens: int
+    source: str = "none"  # "session", "prefix" (the tenant's index) or "public"
+    public_blocks: int = 0  # leading pages from the public namespace
+    own_from: int = 0  # for a session: its first page not adopted from the prefix index
+
+
+NO_HIT = PrefixHit([], [], 0)
 
 
 class KVCacheManager:
@@ -48,10 +76,15 @@ class KVCacheManager:
         prefix_ttl_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         hash_algorithm: str = "md5",
+        prefix_min_hits_per_hour: float = 0.0,
+        session_idle_ttl_s: float = 0.0,
+        public_root: BlockHash | None = None,
     ) -> None:
         self.block_size = block_size
         self.hash_algorithm = hash_algorithm
-        self.pool = BlockPool(num_blocks, eviction_policy, prefix_ttl_s, clock)
+        self.public_root = public_root  # the namespace every tenant may hit; None: no public prefixes
+        self.pool = BlockPool(num_blocks, eviction_policy, prefix_ttl_s, clock, prefix_min_hits_per_hour)
+        self.sessions = SessionPools(session_idle_ttl_s, clock)
         self._tables: dict[str, PageTable] = {}
 
     @property
@@ -72,71 +105,207 @@ class KVCacheManager:
         table = self._tables.get(seq_id)
         if table is None:
             table = self._tables[seq_id] = PageTable(self.block_size)
-        cow = table.last_block_is_partial and self.pool.ref_count(table.block_ids[-1]) > 1
-        num_new = table.num_new_blocks(num_new_tokens) + (1 if cow and num_new_tokens else 0)
-        fresh = self.pool.allocate(num_new)
+        last = table.block_ids[-1] if table.last_block_is_partial else None
+        cow = last is not None and num_new_tokens > 0 and (
+            self.pool.ref_count(last) > 1 or self.pool.page_info(last) is not None)
+        fresh = self.pool.allocate(table.num_new_blocks(num_new_tokens) + cow)
         if fresh is None:
             if not table.block_ids:
                 del self._tables[seq_id]
             return None
         copies = []
-        if cow and num_new_tokens:
-            shared = table.block_ids[-1]
+        if cow:
             private = fresh.pop(0)
-            copies.append((shared, private))
+            copies.append((last, private))
             table.block_ids[-1] = private
-            self.pool.release([shared])
+            self.pool.release([last])
+        elif last is not None and num_new_tokens:
+            self.pool.note_write(last)
         table.block_ids.extend(fresh)
         slots = table.slots(table.num_tokens, num_new_tokens)
         table.num_tokens += num_new_tokens
         return Allocation(slots=slots, copies=copies)
 
-    def find_prefix(self, root: BlockHash, token_ids: Sequence[int]) -> PrefixHit:
-        """The longest run of cached full pages that starts `token_ids`, leaving at
-        least one token to compute (its logits give the next token)."""
-        bs = self.block_size
-        usable = (len(token_ids) - 1) // bs
-        hashes = hash_full_blocks(root, token_ids[: usable * bs], bs, algorithm=self.hash_algorithm)
-        chunks = [token_ids[i * bs : (i + 1) * bs] for i in range(usable)]
-        blocks = self.pool.lookup(hashes, chunks)
-        return PrefixHit(blocks, hashes[: len(blocks)], len(blocks) * bs)
+    # -- finding and adopting cached KV ---------------------------------------------------
 
-    def adopt_prefix(self, seq_id: str, hit: PrefixHit) -> None:
+    def find_prefix(self, root: BlockHash, token_ids: Sequence[int], session_id: str | None = None) -> PrefixHit:
+        """The longest cached start of `token_ids`, leaving at least one token to
+        compute (its logits give the next token): from the session's pool (to the
+        token), the tenant's prefix index or the public one (whole pages)."""
+        best = self._index_hit(root, token_ids)
+        if self.public_root is not None and root != self.public_root and self.pool.has_namespace(self.public_root):
+            public = self._public_hit(root, token_ids)
+            if public.num_tokens > best.num_tokens:
+                best = public
+        if session_id is not None:
+            session = self._session_hit((root, session_id), token_ids)
+            if session.num_tokens > best.num_tokens:
+                best = session
+        return best
+
+    def _lookup(self, parent: BlockHash, token_ids: Sequence[int]) -> tuple[list[int], list[BlockHash]]:
+        bs = self.block_size
+        n = len(token_ids) // bs
+        hashes = hash_full_blocks(parent, token_ids[: n * bs], bs, algorithm=self.hash_algorithm)
+        blocks = self.pool.lookup(hashes, [token_ids[i * bs : (i + 1) * bs] for i in range(n)])
+        return blocks, hashes[: len(blocks)]
+
+    def _index_hit(self, root: BlockHash, token_ids: Sequence[int]) -> PrefixHit:
+        blocks, hashes = self._lookup(root, token_ids[: len(token_ids) - 1])
+        return PrefixHit(blocks, hashes, len(blocks) * self.block_size, "prefix" if blocks else "none",
+                         own_from=len(blocks))
+
+    def _public_hit(self, root: BlockHash, token_ids: Sequence[int]) -> PrefixHit:
+        usable = token_ids[: len(token_ids) - 1]
+        blocks, hashes = self._lookup(self.public_root, usable)
+        if not blocks:
+            return NO_HIT
+        k = len(blocks)
+        more, more_hashes = self._lookup(rebase(hashes[-1], root, self.hash_algorithm), usable[k * self.block_size :])
+        n = k + len(more)
+        return PrefixHit(blocks + more, hashes + more_hashes, n * self.block_size, "public", k, n)
+
+    def _session_hit(self, key: SessionKey, token_ids: Sequence[int]) -> PrefixHit:
+        chain = self.sessions.get(key)
+        if chain is None:
+            return NO_HIT
+        n = 0
+        limit = min(len(chain.token_ids), len(token_ids) - 1)
+        while n < limit and chain.token_ids[n] == token_ids[n]:
+            n += 1
+        bs = self.block_size
+        for i in range(-(-n // bs)):  # each page must still hold what the chain kept
+            if self.pool.generation[chain.block_ids[i]] != chain.generations[i]:
+                n = i * bs
+                break
+        if n == 0:
+            return NO_HIT
+        full = n // bs
+        return PrefixHit(chain.block_ids[: -(-n // bs)], chain.block_hashes[:full], n, "session",
+                         min(chain.public_blocks, full), min(chain.own_from, full))
+
+    def adopt_prefix(self, seq_id: str, hit: PrefixHit, tag: str | None = None) -> None:
         """Starts `seq_id`'s page table with the hit's pages (shared, read-only)."""
         assert seq_id not in self._tables, f"sequence {seq_id} already has pages"
         self.pool.touch(hit.block_ids)
-        self._tables[seq_id] = PageTable(self.block_size, list(hit.block_ids), hit.num_tokens, list(hit.block_hashes))
+        if tag is not None:
+            self.pool.tag(hit.block_ids, tag)
+        self._tables[seq_id] = PageTable(self.block_size, list(hit.block_ids), hit.num_tokens,
+                                         list(hit.block_hashes), hit.public_blocks, hit.own_from)
 
-    def commit(self, seq_id: str, root: BlockHash, token_ids: Sequence[int], num_computed: int) -> None:
+    def commit(self, seq_id: str, root: BlockHash, token_ids: Sequence[int], num_computed: int,
+               tag: str | None = None) -> None:
         """Indexes the pages of `seq_id` that the first `num_computed` tokens fill."""
         table = self._tables[seq_id]
         done = len(table.block_hashes)
-        parent = table.block_hashes[-1] if done else root
-        new = hash_full_blocks(parent, token_ids[: num_computed - num_computed % self.block_size], self.block_size, done,
-                               self.hash_algorithm)
         bs = self.block_size
+        if num_computed // bs <= done:
+            return
+        prev = table.block_hashes[-1] if done else None
+        if prev is None:
+            chain = root
+        elif done == table.public_blocks:
+            chain = rebase(prev, root, self.hash_algorithm)  # the first page of the tenant's own after a public prefix
+        else:
+            chain = prev
+        new = hash_full_blocks(chain, token_ids[done * bs : num_computed - num_computed % bs], bs,
+                               algorithm=self.hash_algorithm)
         for i, h in enumerate(new, start=done):
-            self.pool.cache(table.block_ids[i], h, token_ids[i * bs : (i + 1) * bs], root, depth=i, parent=parent)
-            parent = h
+            self.pool.cache(table.block_ids[i], h, token_ids[i * bs : (i + 1) * bs], root, depth=i, parent=prev)
+            prev = h
+        if tag is not None:
+            self.pool.tag(table.block_ids[done : done + len(new)], tag)
         table.block_hashes.extend(new)
 
-    def evict_prefix(self, root: BlockHash, token_ids: Sequence[int]) -> int:
-        """Evicts the idle cached pages of `token_ids`' chain; returns how many."""
-        bs = self.block_size
-        n = len(token_ids) // bs
-        hashes = hash_full_blocks(root, token_ids[: n * bs], bs, algorithm=self.hash_algorithm)
-        blocks = self.pool.lookup(hashes, [token_ids[i * bs : (i + 1) * bs] for i in range(n)])
-        return sum(self.pool.evict(b) for b in blocks)
+    # -- sessions ------------------------------------------------------------------------
+
+    def keep_session(self, seq_id: str, key: SessionKey, token_ids: Sequence[int], num_computed: int) -> None:
+        """Keeps the first `num_computed` tokens' pages of `seq_id` as the session's
+        context pool, for its next turn (call before `free`)."""
+        table = self._tables.get(seq_id)
+        if table is None or num_computed == 0:
+            return
+        pages = table.block_ids[: -(-num_computed // self.block_size)]
+        self.sessions.keep(key, SessionChain(
+            token_ids=list(token_ids[:num_computed]), block_ids=list(pages),
+            generations=[self.pool.generation[b] for b in pages],
+            block_hashes=table.block_hashes[: num_computed // self.block_size],
+            public_blocks=table.public_blocks, own_from=table.own_from, last_used=0.0))
+
+    def session_view(self, key: SessionKey, now: float | None = None) -> SessionView | None:
+        """A session's context pool as it stands: each page, and whether it still holds the session's KV."""
+        chain = self.sessions.get(key)
+        if chain is None:
+            return None
+        bs, n = self.block_size, len(chain.token_ids)
+        pages = []
+        for i, (b, gen) in enumerate(zip(chain.block_ids, chain.generations)):
+            info = self.pool.page_info(b)
+            indexed = info is not None and i < len(chain.block_hashes) and info.block_hash == chain.block_hashes[i]
+            pages.append(SessionPage(b, min(bs, n - i * bs), self.pool.generation[b] == gen, indexed))
+        now = self.sessions.now() if now is None else now
+        return SessionView(n, pages, now - chain.last_used)
+
+    def drop_session(self, key: SessionKey) -> int:
+        """Forgets a session's pool and unindexes the pages it computed itself (not
+        those it adopted from the prefix index) and what was chained after them; returns how many."""
+        chain = self.sessions.forget(key)
+        return 0 if chain is None else self._drop_chain(chain)
+
+    def expire_sessions(self, now: float | None = None) -> int:
+        """Drops the KV of sessions idle past their TTL; returns the pages unindexed."""
+        n = sum(self._drop_chain(chain) for _, chain in self.sessions.expired(now))
+        self.pool.evictions.expired += n
+        return n
+
+    def _drop_chain(self, chain: SessionChain) -> int:
+        n = 0
+        for b, h in list(zip(chain.block_ids, chain.block_hashes))[chain.own_from :]:
+            page = self.pool.page_info(b)
+            if page is not None and page.block_hash == h:  # still this chain's page (it may be gone)
+                n += self.pool.unindex_subtree(b)
+        return n
+
+    # -- invalidation ----------------------------------------------------------------------
+
+    def invalidate_prefix(self, root: BlockHash, token_ids: Sequence[int]) -> int:
+        """Unindexes the cached pages of `token_ids` (full pages) and what was chained after them,
+        sparing pages other prefixes share; returns how many."""
+        blocks, _ = self._lookup(root, token_ids)
+        n = self.pool.unindex_from(blocks[-1]) if blocks else 0
+        self.pool.evictions.invalidated += n
+        return n
+
+    def invalidate_hash(self, block_hash: BlockHash) -> int:
+        b = self.pool.block_of(block_hash)
+        n = self.pool.unindex_from(b) if b is not None else 0
+        self.pool.evictions.invalidated += n
+        return n
+
+    def invalidate_session(self, key: SessionKey) -> int:
+        n = self.drop_session(key)
+        self.pool.evictions.invalidated += n
+        return n
 
     def invalidate_namespace(self, root: BlockHash) -> int:
-        """Drops every cached page of a namespace (a tenant's cache flushed); returns how many.
+        """Drops every cached page and session pool of a namespace (a tenant's cache flushed); returns pages.
 
         Sequences holding some keep reading them; those pages are freed uncached."""
+        self.sessions.forget_namespace(root)
         return self.pool.invalidate_namespace(root)
 
+    def invalidate_tag(self, tag: str) -> int:
+        return self.pool.invalidate_tag(tag)
+
+    def invalidate_all(self) -> int:
+        self.sessions.forget_all()
+        return self.pool.invalidate_all()
+
     def expire(self, now: float | None = None) -> int:
-        """Evicts a bounded number of idle cached pages past the prefix TTL; call between steps."""
-        return self.pool.expire(now)
+        """Evicts a bounded number of expired idle cached pages and idle sessions' KV; call between steps."""
+        return self.pool.expire(now) + self.expire_sessions(now)
+
+    # -- lifetime --------------------------------------------------------------------------
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Makes `child_id` share every page of `parent_id` (e.g. for n > 1 samples)."""
@@ -144,7 +313,8 @@ class KVCacheManager:
         assert child_id not in self._tables, f"sequence {child_id} already has pages"
         self.pool.share(parent.block_ids)
         self._tables[child_id] = PageTable(
-            self.block_size, list(parent.block_ids), parent.num_tokens, list(parent.block_hashes)
+            self.block_size, list(parent.block_ids), parent.num_tokens, list(parent.block_hashes), parent.public_blocks,
+            parent.own_from
         )
 
     def free(self, seq_id: str) -> None:

@@ -13,6 +13,8 @@ class PageTable:
     block_ids: list[int] = field(default_factory=list)
     num_tokens: int = 0  # tokens with a slot assigned (written or about to be)
     block_hashes: list[BlockHash] = field(default_factory=list)  # of the leading full, computed pages
+    public_blocks: int = 0  # leading pages adopted from the public namespace
+    own_from: int = 0  # its first page not adopted from the prefix index
 
     def num_new_blocks(self, num_new_tokens: int) -> int:
         """Pages to add so `num_new_tokens` more tokens fit."""

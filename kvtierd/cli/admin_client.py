@@ -141,11 +141,11 @@ class AdminClient:
         return self.request("DELETE", path)
 
     def request(
-        self, method: str, path: str, params: Mapping[str, str | int | None] | None = None
+        self, method: str, path: str, params: Mapping[str, str | int | None] | None = None, body: Any = None
     ) -> dict[str, Any]:
         query = {k: v for k, v in (params or {}).items() if v is not None}
         try:
-            response = self._http.request(method, path, params=query)
+            response = self._http.request(method, path, params=query, json=body)
         except httpx.TransportError as e:
             raise connection_error(e, self.socket_path) from e
         except OSError as e:  # raised before httpx wraps it, e.g. a path too long for AF_UNIX

@@ -19,7 +19,7 @@ from urllib.parse import quote
 
 import typer
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -126,9 +126,79 @@ def sessions_rm(ctx: typer.Context, session_id: Annotated[str, typer.Argument(me
 
 
 @prefixes_app.command("ls")
-def prefixes_ls(ctx: typer.Context, limit: LimitOpt = None) -> None:
-    """List cached prefixes in the prefix index."""
-    _run(ctx, "GET", "/admin/prefixes", {"limit": limit}, render=render_prefixes)
+def prefixes_ls(
+    ctx: typer.Context,
+    tenant: Annotated[Optional[str], typer.Option("--tenant", help="Only this tenant's (public: published ones).")] = None,
+    limit: LimitOpt = None,
+) -> None:
+    """List cached prefixes (each chain's last page), most hit first."""
+    _run(ctx, "GET", "/admin/prefixes", {"tenant": tenant, "limit": limit}, render=render_prefixes)
+
+
+TextOpt = Annotated[Optional[str], typer.Option("--text", help="The prefix as text (tokenized as is).")]
+FileOpt = Annotated[Optional[Path], typer.Option("--file", exists=True, dir_okay=False, help="The prefix as a text file.")]
+MessagesOpt = Annotated[Optional[Path], typer.Option(
+    "--messages-file", exists=True, dir_okay=False,
+    help="The prefix as chat messages: a JSON array of {role, content}, rendered with the chat template.")]
+TokenIdsOpt = Annotated[Optional[str], typer.Option("--token-ids", help="The prefix as token ids: 1,2,3")]
+TagOpt = Annotated[Optional[str], typer.Option("--tag", help="A document tag, e.g. doc:v3.")]
+
+
+@prefixes_app.command("publish")
+def prefixes_publish(ctx: typer.Context, text: TextOpt = None, file: FileOpt = None, messages_file: MessagesOpt = None,
+                     token_ids: TokenIdsOpt = None, tag: TagOpt = None) -> None:
+    """Compute a prefix (a system prompt, a document) into the public namespace: every tenant may hit it."""
+    body = {**_prefix_body(text, file, messages_file, token_ids), **({"tag": tag} if tag else {})}
+    data = _call(ctx, "POST", "/admin/prefixes", body=body)
+    if ctx.obj.json:
+        _print_json(data)
+    else:
+        typer.echo(f"published {_count(data['num_tokens'])} tokens ({data['pages']} pages) as "
+                   f"{_short_hash(data['hash'])}; computed {_count(data['computed_tokens'])} tokens")
+
+
+@app.command()
+def invalidate(
+    ctx: typer.Context,
+    session: Annotated[Optional[str], typer.Option("--session", help="A session's KV.")] = None,
+    text: TextOpt = None,
+    file: FileOpt = None,
+    messages_file: MessagesOpt = None,
+    token_ids: TokenIdsOpt = None,
+    block_hash: Annotated[Optional[str], typer.Option("--hash", help="A page hash and what follows it.")] = None,
+    tag: Annotated[Optional[str], typer.Option("--tag", help="Every page derived from a tagged prefix.")] = None,
+    tenant: Annotated[Optional[str], typer.Option(
+        "--tenant", help="A tenant's whole cache; with a prefix, the namespace it is in (public: the public one).")] = None,
+    model: Annotated[Optional[str], typer.Option("--model", help="Everything cached for a model fingerprint.")] = None,
+) -> None:
+    """Drop cached KV at once for new requests (running requests keep theirs until they finish)."""
+    prefix = _prefix_body(text, file, messages_file, token_ids, required=False)
+    body: dict[str, Any] = {k: v for k, v in (("session_id", session), ("hash", block_hash), ("tag", tag),
+                                               ("tenant", tenant), ("model", model)) if v is not None}
+    if prefix:
+        body["prefix"] = prefix
+    data = _call(ctx, "POST", "/admin/invalidate", body=body)
+    if ctx.obj.json:
+        _print_json(data)
+    else:
+        typer.echo(f"invalidated {_count(data['invalidated_pages'])} pages ({data['target']})")
+
+
+def _prefix_body(text: str | None, file: Path | None, messages_file: Path | None, token_ids: str | None,
+                 required: bool = True) -> dict[str, Any]:
+    given = [x for x in (text, file, messages_file, token_ids) if x is not None]
+    if len(given) > 1 or (required and not given):
+        _fail("give the prefix as one of --text, --file, --messages-file or --token-ids", 2)
+    try:
+        if file is not None:
+            return {"text": file.read_text()}
+        if messages_file is not None:
+            return {"messages": json.loads(messages_file.read_text())}
+        if token_ids is not None:
+            return {"token_ids": [int(t) for t in token_ids.replace(",", " ").split()]}
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, ValueError) as e:
+        _fail(f"cannot read the prefix: {e}", 2)
+    return {"text": text} if text is not None else {}
 
 
 # ---- tables ----------------------------------------------------------------------------
@@ -234,7 +304,7 @@ def render_sessions(data: dict[str, Any]) -> Table:
     return table
 
 
-def render_session(data: dict[str, Any]) -> Table:
+def render_session(data: dict[str, Any]) -> RenderableType:
     s = data["session"]
     now = datetime.now(timezone.utc)
     title = f"Session {s['id']}" + (f": {s['title']}" if s.get("title") else "")
@@ -268,6 +338,23 @@ def render_session(data: dict[str, Any]) -> Table:
             _ago_iso(m["created_at"], now),
             _clip(m.get("content") or "", 160),
         )
+    return Group(table, render_session_kv(data.get("kv")))
+
+
+def render_session_kv(kv: dict[str, Any] | None) -> RenderableType:
+    """The session's context pool: its pages and where they are."""
+    if kv is None:
+        return Text("no KV kept for this session (never run here, expired, or invalidated)")
+    caption = (f"{_count(kv['resident_tokens'])} of {_count(kv['num_tokens'])} tokens resident · "
+               f"idle {_duration(kv['idle_s'])}")
+    table = Table(title="Context pool", caption=caption, box=box.SIMPLE_HEAD)
+    for name in ("#", "Page", "Tokens"):
+        table.add_column(name, justify="right", no_wrap=True)
+    table.add_column("Tier", no_wrap=True)
+    table.add_column("Indexed", no_wrap=True)
+    for i, p in enumerate(kv["pages"]):
+        _row(table, str(i), str(p["page"]), _count(p["num_tokens"]), p["tier"] or "gone",
+             "yes" if p["indexed"] else "")
     return table
 
 
@@ -275,20 +362,26 @@ def render_prefixes(data: dict[str, Any]) -> Table:
     prefixes = data["prefixes"]
     table = Table(title="Cached prefixes", caption=None if prefixes else "no cached prefixes", box=box.SIMPLE_HEAD)
     table.add_column("Hash", no_wrap=True)
-    table.add_column("Namespace", overflow="fold")
-    for name in ("Tokens", "Refs", "Hits"):
+    table.add_column("Tenant", overflow="fold")
+    for name in ("Tokens", "Hits", "Head hits"):
         table.add_column(name, justify="right", no_wrap=True)
-    table.add_column("Last used", no_wrap=True)
+    table.add_column("Last hit", no_wrap=True)
+    table.add_column("Tier", no_wrap=True)
+    table.add_column("Pin", no_wrap=True)
+    table.add_column("Tags")
     table.add_column("Preview")
     for p in prefixes:
         _row(
             table,
             _short_hash(p["hash"]),
-            p["namespace"],
+            p["tenant"],
             _count(p["num_tokens"]),
-            _count(p["ref_count"]),
             _count(p["hits"]),
-            _duration(p["last_access_s_ago"]) + " ago",
+            _count(p["first_page_hits"]),
+            _duration(p["last_hit_s_ago"]) + " ago",
+            p["tier"] + ("*" if p["in_use"] else ""),
+            "yes" if p["pinned"] else "",
+            ", ".join(p["tags"]),
             _clip(p.get("preview") or "", 48),
         )
     return table
@@ -303,7 +396,7 @@ def _run(
     path: str,
     params: dict[str, str | int | None] | None = None,
     *,
-    render: Callable[[dict[str, Any]], Table],
+    render: Callable[[dict[str, Any]], RenderableType],
 ) -> None:
     data = _call(ctx, method, path, params)
     if ctx.obj.json:
@@ -321,12 +414,12 @@ def _run(
 
 
 def _call(
-    ctx: typer.Context, method: str, path: str, params: dict[str, str | int | None] | None = None
+    ctx: typer.Context, method: str, path: str, params: dict[str, str | int | None] | None = None, body: Any = None
 ) -> dict[str, Any]:
     opts: CtlOptions = ctx.obj
     try:
         with AdminClient(opts.socket_path, timeout=opts.timeout) as client:
-            return client.request(method, path, params)
+            return client.request(method, path, params, body)
     except AdminError as e:
         _fail(e.message, e.exit_code)
 

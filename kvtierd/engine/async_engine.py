@@ -56,7 +56,8 @@ class AsyncEngine:
         return len(self._queues)
 
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = ""
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = "",
+        session_id: str | None = None, tag: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; leaving the iteration early cancels it.
 
@@ -67,7 +68,7 @@ class AsyncEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._edit(lambda: self._add(queue, prompt_token_ids, params, request_id, tenant))
+        self._edit(lambda: self._add(queue, prompt_token_ids, params, request_id, tenant, session_id, tag))
         finished = False
         try:
             while True:
@@ -84,9 +85,9 @@ class AsyncEngine:
                 self._edit(lambda: self.engine.abort_request(request_id))
 
     def _add(self, queue: asyncio.Queue, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-             tenant: str) -> None:
+             tenant: str, session_id: str | None, tag: str | None) -> None:
         try:
-            self.engine.add_request(prompt_token_ids, params, request_id, tenant)
+            self.engine.add_request(prompt_token_ids, params, request_id, tenant, session_id, tag)
         except Exception as e:  # reaches the caller instead of leaving it waiting
             queue.put_nowait(e)
 

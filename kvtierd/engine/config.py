@@ -20,6 +20,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse cached pages across requests (off: every prompt is computed)
     eviction_policy: str = "lru"  # which idle cached page is reused first: lru, lfu or cost (cache/eviction.py)
     prefix_ttl_s: float = 0.0  # an idle cached page expires after this long unused (0: never)
+    prefix_min_hits_per_hour: float = 0.0  # ... or when its hit rate stays below this after an hour (0: off)
+    session_idle_ttl_s: float = 0.0  # a session's context pool goes after this long idle (0: never)
     hash_algorithm: str = "md5"  # chained block hashes: md5, sha256 or xxh3-128 (cache/block_hash.py)
 
     def __post_init__(self) -> None:
@@ -29,5 +31,5 @@ class EngineConfig:
             raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}")
         if self.hash_algorithm not in HASH_FUNCTIONS:
             raise ValueError(f"hash_algorithm must be one of {', '.join(HASH_FUNCTIONS)}")
-        if self.prefix_ttl_s < 0:
-            raise ValueError("prefix_ttl_s must be 0 (never expire) or positive")
+        if min(self.prefix_ttl_s, self.prefix_min_hits_per_hour, self.session_idle_ttl_s) < 0:
+            raise ValueError("prefix_ttl_s, prefix_min_hits_per_hour and session_idle_ttl_s must be 0 (off) or positive")

@@ -11,13 +11,17 @@ import time
 from dataclasses import dataclass
 
 from kvtierd.cache.block_hash import namespace_root
-from kvtierd.cache.kv_cache_manager import KVCacheManager
+from kvtierd.cache.kv_cache_manager import KVCacheManager, SessionView
 from kvtierd.engine.config import EngineConfig
 from kvtierd.engine.errors import RequestError
 from kvtierd.engine.model_runner import ModelRunner
 from kvtierd.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from kvtierd.engine.sampler import sample, token_logprobs
 from kvtierd.engine.sampling_params import SamplingParams
+
+# The tenant name of the public namespace; real tenants are user names or
+# header values of [A-Za-z0-9._@:-], so no tenant can be called this.
+PUBLIC_NAMESPACE = "<public>"
 from kvtierd.engine.scheduler import Scheduler, StepPlan
 from kvtierd.model.detokenizer import IncrementalDetokenizer
 from kvtierd.model.loader import LoadedModel
@@ -55,15 +59,18 @@ class LLMEngine:
             )
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.pool = DeviceKVPool(self.geometry, num_blocks, loaded.model.device)
+        self.namespaces: dict[bytes, str] = {}  # cache root -> tenant, for reports
         self.kv = KVCacheManager(num_blocks, config.block_size, config.eviction_policy, config.prefix_ttl_s,
-                                 hash_algorithm=config.hash_algorithm)
+                                 hash_algorithm=config.hash_algorithm,
+                                 prefix_min_hits_per_hour=config.prefix_min_hits_per_hour,
+                                 session_idle_ttl_s=config.session_idle_ttl_s,
+                                 public_root=self._root(PUBLIC_NAMESPACE))
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_prefix_caching)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         self.counters = EngineCounters()
-        self.namespaces: dict[bytes, str] = {}  # cache root -> tenant, for reports
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------
@@ -94,9 +101,12 @@ class LLMEngine:
             )
 
     def add_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = ""
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = "",
+        session_id: str | None = None, tag: str | None = None,
     ) -> str:
-        """Queues a request; its KV is shared only with requests of the same tenant."""
+        """Queues a request; its KV is shared only with requests of the same tenant (and
+        public prefixes are shared with all). A request of a session starts from the
+        session's context pool and leaves its own there; `tag` marks its prefix's pages."""
         self.validate(prompt_token_ids, params)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -108,6 +118,8 @@ class LLMEngine:
             detokenizer=IncrementalDetokenizer(self.loaded.tokenizer, list(params.stop)),
             arrival_time=time.monotonic(),
             cache_root=self._root(tenant),
+            session_id=session_id,
+            tag=tag,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -120,11 +132,37 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             req.finish_reason = FinishReason.ABORT
+            self._keep_session(req)  # what it computed is valid KV for the session's next turn
             self.scheduler.remove(req)
 
-    def drop_cached_prefix(self, token_ids: list[int], tenant: str = "") -> int:
-        """Evicts the idle cached pages holding `token_ids` for `tenant`; returns how many."""
-        return self.kv.evict_prefix(self._root(tenant), token_ids)
+    def _keep_session(self, req: Request) -> None:
+        if req.session_id is not None and self.config.enable_prefix_caching:
+            self.kv.keep_session(req.request_id, (req.cache_root, req.session_id), req.token_ids,
+                                 req.num_computed_tokens)
+
+    def session_view(self, session_id: str, tenant: str = "") -> SessionView | None:
+        return self.kv.session_view((self._root(tenant), session_id))
+
+    # -- invalidation (each returns the pages unindexed) ---------------------------
+
+    def invalidate_prefix(self, token_ids: list[int], tenant: str = "") -> int:
+        return self.kv.invalidate_prefix(self._root(tenant), token_ids)
+
+    def invalidate_session(self, session_id: str, tenant: str = "") -> int:
+        return self.kv.invalidate_session((self._root(tenant), session_id))
+
+    def invalidate_tenant(self, tenant: str) -> int:
+        return self.kv.invalidate_namespace(self._root(tenant))
+
+    def invalidate_tag(self, tag: str) -> int:
+        return self.kv.invalidate_tag(tag)
+
+    def invalidate_hash(self, block_hash: bytes) -> int:
+        return self.kv.invalidate_hash(block_hash)
+
+    def invalidate_model(self, fingerprint: str) -> int:
+        """Everything cached for a model: all of it when it is the one loaded, else nothing here."""
+        return self.kv.invalidate_all() if fingerprint == self.loaded.fingerprint else 0
 
     def _root(self, tenant: str) -> bytes:
         root = namespace_root(self.loaded.fingerprint, tenant, self.config.hash_algorithm)
@@ -156,7 +194,7 @@ class LLMEngine:
         for s in scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.commit(req.request_id, req.cache_root, req.token_ids, req.num_computed_tokens)
+            self.kv.commit(req.request_id, req.cache_root, req.token_ids, req.num_computed_tokens, req.tag)
         if not sample_idx:
             return []
         reqs = [scheduled[i].request for i in sample_idx]
@@ -184,6 +222,7 @@ class LLMEngine:
             req.finish_reason = FinishReason.LENGTH
         if req.finished:
             text += req.detokenizer.flush()
+            self._keep_session(req)
             del self.requests[req.request_id]
             self.scheduler.remove(req)
         return RequestOutput(
@@ -196,6 +235,7 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            cache_source=req.cache_source,
             queue_s=(req.first_scheduled_time or req.arrival_time) - req.arrival_time,
         )
 

@@ -38,6 +38,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the cache, not recomputed
+    cache_source: str  # "session" (its context pool), "prefix" (the tenant's index), "public" or "none"
     queue_s: float  # from arrival to first being scheduled
 
 
@@ -54,9 +55,12 @@ class Request:
     detokenizer: IncrementalDetokenizer
     arrival_time: float
     cache_root: BlockHash  # the namespace (model + tenant) its pages are hashed under
+    session_id: str | None = None  # its session's context pool is tried first, and kept after it
+    tag: str | None = None  # marks the pages of its prefix (e.g. "doc:v3") for invalidation
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found cached at first admission; -1 before it
+    cache_source: str = "none"  # where they came from: "session", "prefix", "public" or "none"
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None

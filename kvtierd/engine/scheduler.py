@@ -3,7 +3,8 @@
 Running requests are served first, in admission order: a decode takes one
 token of the budget, an unfinished prefill takes as many as remain (chunked
 prefill). Waiting requests are admitted FIFO with what is left; on admission a
-request adopts the longest cached prefix of its tokens and computes only the rest. When pages run
+request adopts the longest cached prefix of its tokens (its session's context
+pool, its tenant's prefix index or the public one) and computes only the rest. When pages run
 out for a running request, the most recently admitted one is preempted: its
 pages are freed and it goes back to the head of the queue to be recomputed,
 which reproduces the same tokens.
@@ -16,7 +17,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import BlockHash, hash_full_blocks
-from kvtierd.cache.kv_cache_manager import Allocation, KVCacheManager, PrefixHit
+from kvtierd.cache.kv_cache_manager import NO_HIT, Allocation, KVCacheManager
 from kvtierd.engine.request import Request
 
 
@@ -135,11 +136,13 @@ class Scheduler:
                 for h in self._pending_prompt_hashes(r)}
 
     def _adopt_cached_prefix(self, req: Request) -> None:
-        hit = self.kv.find_prefix(req.cache_root, req.token_ids) if self.enable_prefix_caching else PrefixHit([], [], 0)
-        self.kv.adopt_prefix(req.request_id, hit)
+        hit = self.kv.find_prefix(req.cache_root, req.token_ids, req.session_id) if self.enable_prefix_caching \
+            else NO_HIT
+        self.kv.adopt_prefix(req.request_id, hit, req.tag)
         req.num_computed_tokens = hit.num_tokens
         if req.num_cached_tokens < 0:  # what the client is told: the first admission's hit
             req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
+            req.cache_source = hit.source
             req.first_scheduled_time = time.monotonic()
 
     def _add_to_plan(self, plan: StepPlan, s: ScheduledRequest) -> None:

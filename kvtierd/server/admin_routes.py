@@ -55,7 +55,7 @@ async def tiers(request: web.Request) -> web.Response:
     pool = eng.kv.pool
     c = eng.counters
     page_bytes = eng.geometry.bytes_per_block
-    idle_cached = sum(1 for b, *_ in pool.cached_blocks() if pool.ref_count(b) == 0)
+    idle_cached = len(pool.idle_cached_blocks())
     return web.json_response({"tiers": [{
         "name": "device",
         "capacity_bytes": pool.num_blocks * page_bytes,
@@ -82,22 +82,6 @@ async def stats(request: web.Request) -> web.Response:
         "errors_4xx": state.counters.errors_4xx, "errors_5xx": state.counters.errors_5xx,
         "active_streams": state.counters.active_streams,
     })
-
-
-@routes.get("/admin/prefixes")
-async def prefixes(request: web.Request) -> web.Response:
-    state = request.app[STATE]
-    eng = state.engine.engine
-    pool = eng.kv.pool
-    now = time.monotonic()
-    rows = sorted(pool.cached_blocks(), key=lambda r: (-pool.hits.get(r[0], 0), -pool.last_access.get(r[0], 0)))
-    return web.json_response({"prefixes": [
-        {"hash": h.hex(), "namespace": eng.namespaces.get(root, root.hex()[:12]), "num_tokens": len(tokens),
-         "ref_count": pool.ref_count(b), "hits": pool.hits.get(b, 0),
-         "last_access_s_ago": now - pool.last_access.get(b, now),
-         "preview": state.loaded.tokenizer.decode(list(tokens))[:80]}
-        for b, h, root, tokens in rows[: query_limit(request)]
-    ]})
 
 
 @routes.get("/admin/sessions")
@@ -128,8 +112,16 @@ async def admin_session(request: web.Request) -> web.Response:
     state = request.app[STATE]
     session = await _any_session(request)
     messages = await state.db(state.store.messages, session.tenant, session.id)
+    eng = state.engine.engine
+    view = await state.engine.call(lambda: eng.session_view(session.id, session.tenant))
+    kv = None if view is None else {
+        "num_tokens": view.num_tokens, "idle_s": view.idle_s,
+        "resident_tokens": sum(p.num_tokens for p in view.pages if p.resident),
+        "pages": [{"page": p.block_id, "num_tokens": p.num_tokens, "tier": "device" if p.resident else None,
+                   "indexed": p.indexed} for p in view.pages],
+    }
     return web.json_response({"session": session_json(session, len(messages)),
-                              "messages": [message_json(m) for m in messages]})
+                              "messages": [message_json(m) for m in messages], "kv": kv})
 
 
 @routes.delete("/admin/sessions/{session_id}")

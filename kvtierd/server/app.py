@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from kvtierd.server import admin_routes, chat_routes, openapi, session_routes
+from kvtierd.server import admin_routes, chat_routes, openapi, prefix_routes, session_routes
 from kvtierd.server.middleware import errors_middleware, peer_middleware
 from kvtierd.server.state import STATE, DaemonState
 
@@ -21,6 +21,10 @@ async def healthz(request: web.Request) -> web.Response:
                               "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting)})
 
 
+ROUTE_TABLES = (chat_routes.routes, session_routes.routes, admin_routes.routes, prefix_routes.routes, openapi.routes,
+                health_routes)
+
+
 async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     await state.engine.start()
@@ -33,7 +37,7 @@ def make_app(state: DaemonState) -> web.Application:
     app = web.Application(client_max_size=state.settings.max_body_bytes,
                           middlewares=[errors_middleware, peer_middleware])
     app[STATE] = state
-    for table in (chat_routes.routes, session_routes.routes, admin_routes.routes, openapi.routes, health_routes):
+    for table in ROUTE_TABLES:
         app.add_routes(table)
     app.cleanup_ctx.append(_engine_lifetime)
     return app

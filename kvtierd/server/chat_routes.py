@@ -42,16 +42,20 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     req = parse_chat(await read_json(request), state.settings.default_max_tokens)
     check_model(state, req.model)
-    turn = await prepare_chat_turn(state, request["tenant"], req.messages, req.session_id)
+    turn = await prepare_chat_turn(state, request["tenant"], req.messages, req.session_id,
+                                   req.options.params.max_tokens)
     return await respond_chat(request, state, turn, req.options)
 
 
 async def respond_chat(request: web.Request, state: DaemonState, turn: Turn, options: GenerationOptions) -> web.StreamResponse:
     """Runs a chat turn and answers it, streamed or whole; records it in its session if any."""
     tok = state.loaded.tokenizer
-    gen = Generation(state.engine, turn.prompt_ids, options.params, request["tenant"])
+    gen = Generation(state.engine, turn.prompt_ids, options.params, request["tenant"], turn.session_id,
+                     options.prefix_tag)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id
-    extra = {"priority": options.priority, **({"session_id": turn.session_id} if turn.session_id else {})}
+    extra: dict = {"priority": options.priority}
+    if turn.session_id:
+        extra |= {"session_id": turn.session_id, "truncated": turn.truncated and turn.truncated.as_json()}
     if not options.stream:
         result = await gen.run()
         await record_turn(state, request["tenant"], turn, result)
@@ -94,7 +98,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     tok = state.loaded.tokenizer
     prompt_ids = req.prompt_ids if req.prompt_ids is not None else tok.encode(req.prompt_text)
     options = req.options
-    gen = Generation(state.engine, prompt_ids, options.params, request["tenant"])
+    gen = Generation(state.engine, prompt_ids, options.params, request["tenant"], tag=options.prefix_tag)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id
     extra = {"priority": options.priority}
     if not options.stream:

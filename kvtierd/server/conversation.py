@@ -3,9 +3,15 @@
 A request with `session_id` may carry the full history (as plain OpenAI clients
 do) or only the new message(s). When the request starts with the stored
 history, it is taken as is; otherwise its messages are appended to the stored
-history. Either way the prompt begins with the session's earlier turns, so
-their KV pages are found in the prefix cache and only the new tokens are
+history. Either way the prompt begins with the session's earlier turns, and the
+engine starts it from the session's context pool, so only the new tokens are
 computed. A turn is recorded with its whole reply, or marked interrupted.
+
+When a session outgrows the context window (its prompt plus max_tokens), the
+truncation policy (`kvtierd/server/truncation.py`) drops its oldest turns from
+the prompt; the stored messages stay whole. The cut is remembered and moves
+only when the window overflows again, so the turns in between reuse the KV of
+the kept part instead of recomputing it at new positions every turn.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass
 from kvtierd.server.errors import ApiError, bad_request
 from kvtierd.server.generation import GenerationResult
 from kvtierd.server.state import DaemonState
+from kvtierd.server.truncation import Truncation, truncate
 from kvtierd.storage.session_store import MessageRecord, SessionRecord
 
 log = logging.getLogger(__name__)
@@ -27,6 +34,7 @@ class Turn:
     prompt_ids: list[int]
     session_id: str | None = None
     user_content: str | None = None  # the new user message, recorded with the reply
+    truncated: Truncation | None = None  # what the truncation policy left out of the prompt
 
 
 def session_history(session: SessionRecord, messages: list[MessageRecord]) -> list[dict[str, str]]:
@@ -44,7 +52,7 @@ async def load_history(state: DaemonState, tenant: str, session_id: str) -> list
 
 
 async def prepare_chat_turn(
-    state: DaemonState, tenant: str, messages: list[dict[str, str]], session_id: str | None
+    state: DaemonState, tenant: str, messages: list[dict[str, str]], session_id: str | None, max_tokens: int
 ) -> Turn:
     tok = state.loaded.tokenizer
     if session_id is None:
@@ -56,13 +64,28 @@ async def prepare_chat_turn(
         full, new = history + messages, messages
     if not new or new[-1]["role"] != "user":
         raise bad_request("a session request must add a user message after the stored history", param="messages")
-    return Turn(tok.encode_chat(full), session_id, new[-1]["content"])
+    return session_turn(state, tenant, session_id, full, max_tokens)
 
 
-async def prepare_session_message(state: DaemonState, tenant: str, session_id: str, content: str) -> Turn:
+async def prepare_session_message(state: DaemonState, tenant: str, session_id: str, content: str,
+                                  max_tokens: int) -> Turn:
     history = await load_history(state, tenant, session_id)
-    full = history + [{"role": "user", "content": content}]
-    return Turn(state.loaded.tokenizer.encode_chat(full), session_id, content)
+    return session_turn(state, tenant, session_id, history + [{"role": "user", "content": content}], max_tokens)
+
+
+def session_turn(state: DaemonState, tenant: str, session_id: str, messages: list[dict[str, str]],
+                 max_tokens: int) -> Turn:
+    """The turn's prompt: the whole conversation, or what the truncation policy keeps of it."""
+    s = state.settings
+    budget = state.engine.engine.max_model_len - max_tokens
+    key = (tenant, session_id)
+    prompt, truncated = truncate(messages, state.loaded.tokenizer.encode_chat, budget, s.truncation,
+                                 s.truncation_keep_turns, s.truncation_keep_tokens, state.truncation_cuts.get(key, 0))
+    if truncated is None:
+        state.truncation_cuts.pop(key, None)
+    else:
+        state.truncation_cuts[key] = truncated.dropped_messages
+    return Turn(prompt, session_id, messages[-1]["content"], truncated)
 
 
 async def record_turn(state: DaemonState, tenant: str, turn: Turn, result: GenerationResult) -> None:

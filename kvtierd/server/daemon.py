@@ -36,6 +36,7 @@ def build_state(settings: Settings) -> DaemonState:
         max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
         max_model_len=settings.max_model_len or None,
         eviction_policy=settings.eviction_policy, prefix_ttl_s=settings.prefix_ttl_s,
+        prefix_min_hits_per_hour=settings.prefix_min_hits_per_hour, session_idle_ttl_s=settings.session_idle_ttl_s,
         hash_algorithm=settings.hash_algorithm,
     ))
     log.info("model %s loaded (%s, %d layers, fingerprint %s); KV pool %d pages of %d tokens",

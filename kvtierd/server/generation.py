@@ -19,6 +19,7 @@ class GenerationResult:
     finish_reason: str | None = None  # "stop" or "length"; None while running or when cut off
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cache_source: str = "none"  # "session", "prefix", "public" or "none"
     queue_ms: float = 0.0
     ttft_ms: float | None = None
 
@@ -38,6 +39,7 @@ class GenerationResult:
         """The `kvtierd` extension object: where cached tokens came from, and timings."""
         return {
             "cached_tokens_by_tier": {"device": self.cached_tokens},
+            "cache_source": self.cache_source,
             "queue_ms": round(self.queue_ms, 3),
             "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 3),
             **extra,
@@ -45,9 +47,10 @@ class GenerationResult:
 
 
 class Generation:
-    def __init__(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, tenant: str) -> None:
+    def __init__(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, tenant: str,
+                 session_id: str | None = None, tag: str | None = None) -> None:
         engine.engine.validate(prompt_ids, params)  # a bad request fails here, before any response starts
-        self._stream = engine.generate(prompt_ids, params, tenant=tenant)
+        self._stream = engine.generate(prompt_ids, params, tenant=tenant, session_id=session_id, tag=tag)
         self._start = time.monotonic()
         self.result = GenerationResult(prompt_tokens=len(prompt_ids))
 
@@ -60,6 +63,7 @@ class Generation:
                     r.ttft_ms = (time.monotonic() - self._start) * 1e3
                     r.queue_ms = out.queue_s * 1e3
                     r.cached_tokens = out.num_cached_tokens
+                    r.cache_source = out.cache_source
                 r.text += out.text
                 r.token_ids.extend(out.token_ids)
                 r.logprobs.extend(out.logprobs)

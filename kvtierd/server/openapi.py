@@ -27,7 +27,12 @@ _SAMPLING = {
     "frequency_penalty": {"type": "number", "enum": [0]},
     "presence_penalty": {"type": "number", "enum": [0]},
     "priority": {"type": "string", "enum": ["high", "normal", "low"], "description": "kvtierd extension"},
+    "prefix_tag": {"type": "string", "pattern": "^[A-Za-z0-9._:@/-]{1,128}$",
+                   "description": "kvtierd extension: marks the prompt's cached pages (e.g. doc:v3) for invalidation"},
 }
+_TAG = {"type": "string", "pattern": "^[A-Za-z0-9._:@/-]{1,128}$"}
+_PREFIX = {"text": {"type": "string"}, "messages": {"type": "array"},
+           "token_ids": {"type": "array", "items": {"type": "integer", "minimum": 0}}}
 _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "role": {"type": "string", "enum": ["system", "user", "assistant"]},
     "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}}}
@@ -82,7 +87,19 @@ DOCUMENT = {
         "/admin/status": {"get": _op("Daemon, model and engine state", errors=(403,))},
         "/admin/tiers": {"get": _op("Per-tier capacity, use and hit rate", errors=(403,))},
         "/admin/stats": {"get": _op("Request and token counters", errors=(403,))},
-        "/admin/prefixes": {"get": {**_op("Cached prefix pages", errors=(403,)), "parameters": _LIMIT}},
+        "/admin/prefixes": {
+            "get": {**_op("Cached prefixes: each chain's last page, most hit first", errors=(403,)),
+                    "parameters": _LIMIT + [{"name": "tenant", "in": "query", "schema": {"type": "string"},
+                                             "description": "only this tenant's (\"public\": the public namespace)"}]},
+            "post": {**_op("Publish a prefix to the public namespace, which every tenant may hit", errors=(400, 403, 503)),
+                     "requestBody": _body({**_PREFIX, "tag": _TAG}, [])},
+        },
+        "/admin/invalidate": {"post": {
+            **_op("Invalidate cached KV: one of session_id, prefix (in tenant's namespace), hash, tag, tenant, model",
+                  errors=(400, 403, 404)),
+            "requestBody": _body({"session_id": {"type": "string"}, "prefix": {"type": "object", "properties": _PREFIX},
+                                  "hash": {"type": "string", "pattern": "^[0-9a-f]+$"}, "tag": _TAG,
+                                  "tenant": {"type": "string"}, "model": {"type": "string"}}, [])}},
         "/admin/sessions": {"get": {**_op("Sessions of every tenant", errors=(403,)), "parameters": _LIMIT + [
             {"name": "tenant", "in": "query", "schema": {"type": "string"}}]}},
         "/admin/sessions/{session_id}": {

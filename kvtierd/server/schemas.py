@@ -7,6 +7,7 @@ must not silently fall back to a default.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,10 +18,11 @@ from kvtierd.server.errors import bad_request
 PRIORITIES = ("high", "normal", "low")
 ROLES = ("system", "user", "assistant")
 MAX_STOP_STRINGS = 4
+TAG = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 
 SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                    "logprobs", "top_logprobs", "n", "user", "frequency_penalty", "presence_penalty",
-                   "stream", "stream_options", "priority"}
+                   "stream", "stream_options", "priority", "prefix_tag"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "session_id"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "echo"}
 SESSION_MESSAGE_FIELDS = SAMPLING_FIELDS | {"content"}
@@ -33,6 +35,7 @@ class GenerationOptions:
     stream: bool
     include_usage: bool
     priority: str
+    prefix_tag: str | None = None  # marks the prompt's cached pages, e.g. "doc:v3", for invalidation
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,7 +124,16 @@ def parse_options(body: dict, default_max_tokens: int) -> GenerationOptions:
         )
     except RequestError as e:
         raise bad_request(str(e), param=e.param) from e
-    return GenerationOptions(params, stream, bool(stream_options.get("include_usage", False)), priority)
+    return GenerationOptions(params, stream, bool(stream_options.get("include_usage", False)), priority,
+                             parse_tag(body.get("prefix_tag"), "prefix_tag"))
+
+
+def parse_tag(value: Any, param: str) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not TAG.fullmatch(value):
+        raise bad_request(f"{param} must be 1-128 of A-Z a-z 0-9 . _ : @ / - (e.g. doc:v3)", param=param)
+    return value
 
 
 def _message_content(content: Any, i: int) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from kvtierd.server.chat_routes import respond_chat
-from kvtierd.server.conversation import prepare_session_message, session_history
+from kvtierd.server.conversation import prepare_session_message
 from kvtierd.server.errors import ApiError, bad_request
 from kvtierd.server.middleware import read_json
 from kvtierd.server.schemas import (PRIORITIES, SESSION_CREATE_FIELDS, SESSION_MESSAGE_FIELDS, parse_options,
@@ -97,7 +97,7 @@ async def post_message(request: web.Request) -> web.StreamResponse:
         raise bad_request("content must be a non-empty string", param="content")
     options = parse_options(body, state.settings.default_max_tokens)
     session = await _owned_session(request)
-    turn = await prepare_session_message(state, request["tenant"], session.id, content)
+    turn = await prepare_session_message(state, request["tenant"], session.id, content, options.params.max_tokens)
     return await respond_chat(request, state, turn, options)
 
 
@@ -111,11 +111,7 @@ async def delete_session(request: web.Request) -> web.Response:
 
 
 async def drop_session_kv(request: web.Request, session: SessionRecord) -> int:
-    """Evicts the session's idle cached pages (pages other requests hold stay)."""
+    """Drops the session's context pool and the pages it computed (pages other requests hold stay)."""
     state = request.app[STATE]
-    messages = await state.db(state.store.messages, session.tenant, session.id)
-    history = session_history(session, messages)
-    if not history:
-        return 0
-    ids = state.loaded.tokenizer.encode_chat(history, add_generation_prompt=False)
-    return await state.engine.call(lambda: state.engine.engine.drop_cached_prefix(ids, session.tenant))
+    state.truncation_cuts.pop((session.tenant, session.id), None)
+    return await state.engine.call(lambda: state.engine.engine.invalidate_session(session.id, session.tenant))

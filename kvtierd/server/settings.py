@@ -18,6 +18,7 @@ from typing import Any
 from kvtierd.cache.block_hash import HASH_FUNCTIONS
 from kvtierd.cache.eviction import EVICTION_POLICIES
 from kvtierd.server.paths import default_socket_path, default_state_dir
+from kvtierd.server.truncation import TRUNCATION_POLICIES
 
 
 class SettingsError(ValueError):
@@ -151,8 +152,18 @@ SETTINGS: tuple[Setting, ...] = (
             "which idle cached page is reused first: lru, lfu (fewest hits) or cost (hits x (1 + depth in its chain))"),
     Setting("prefix_ttl_s", "cache", "prefix_ttl_s", 0.0, float_at_least(0.0),
             "seconds an idle cached page may go unused before it expires (0: never)"),
+    Setting("prefix_min_hits_per_hour", "cache", "prefix_min_hits_per_hour", 0.0, float_at_least(0.0),
+            "an idle cached page hit fewer times an hour than this, after its first hour, expires (0: off)"),
     Setting("hash_algorithm", "cache", "hash_algorithm", "md5", one_of(*HASH_FUNCTIONS),
             "chained block hash: md5, sha256 or xxh3-128 (hits are confirmed by their tokens either way)"),
+    Setting("session_idle_ttl_s", "sessions", "idle_ttl_s", 3600.0, float_at_least(0.0),
+            "a session idle this long loses its KV (its messages stay in the store; 0: never)"),
+    Setting("truncation", "sessions", "truncation", "turns", one_of(*TRUNCATION_POLICIES),
+            "when a session outgrows the context window: off (refuse), turns (keep the last N) or tokens (keep the last T)"),
+    Setting("truncation_keep_turns", "sessions", "truncation_keep_turns", 8, int_between(1),
+            "turns the 'turns' policy keeps after the system prompt"),
+    Setting("truncation_keep_tokens", "sessions", "truncation_keep_tokens", 0, int_between(0),
+            "tokens the 'tokens' policy keeps (0: the context window less max_tokens)"),
     Setting("max_num_batched_tokens", "engine", "max_num_batched_tokens", 2048, int_between(1), "tokens per engine step (chunked prefill budget)"),
     Setting("max_num_seqs", "engine", "max_num_seqs", 64, int_between(1), "requests running at once"),
     Setting("max_model_len", "engine", "max_model_len", 0, int_between(0), "context window in tokens (0: the model's)"),
@@ -181,7 +192,12 @@ class Settings:
     kv_cache_bytes: int
     eviction_policy: str
     prefix_ttl_s: float
+    prefix_min_hits_per_hour: float
     hash_algorithm: str
+    session_idle_ttl_s: float
+    truncation: str
+    truncation_keep_turns: int
+    truncation_keep_tokens: int
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int

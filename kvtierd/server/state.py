@@ -35,6 +35,8 @@ class DaemonState:
     in_flight: int = 0
     counters: ServerCounters = field(default_factory=ServerCounters)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    # (tenant, session id) -> messages its prompt leaves out since it outgrew the window
+    truncation_cuts: dict[tuple[str, str], int] = field(default_factory=dict)
 
     @property
     def model_id(self) -> str:

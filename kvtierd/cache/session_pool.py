@@ -1,0 +1,89 @@
+"""Session context pools: each chat session's KV, kept between its turns.
+
+A session's context pool is the chain of pages its last turn left behind:
+the tokens they hold, the pages, and each page's generation at that time. The
+pool holds no reference, so the pages stay free for others to take under
+pressure; a page is used again only while its generation is unchanged (the
+block pool bumps it whenever a page is reallocated, written in place or
+unindexed). That covers what the prefix index cannot:
+
+- the last, partly filled page (never indexed) is reused, so a turn computes
+  only its new tokens, not the tail of the previous reply again;
+- an edited history reuses the pool up to the first differing token, not up
+  to the last full page before it.
+
+A session whose pool is unused for `idle_ttl_s` expires: its pool is
+forgotten and the pages only it had go back to the free pages (its messages
+stay in the session store).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from kvtierd.cache.block_hash import BlockHash
+
+SessionKey = tuple[BlockHash, str]  # (namespace root, session id): ids never cross tenants
+
+
+@dataclass(slots=True)
+class SessionChain:
+    token_ids: list[int]  # tokens whose K/V the pages hold, in order
+    block_ids: list[int]
+    generations: list[int]  # of each page when the chain was kept
+    block_hashes: list[BlockHash]  # chained hashes of the leading full pages
+    public_blocks: int  # leading pages from the public namespace
+    own_from: int  # its first page not adopted from the prefix index: what expiry may drop
+    last_used: float
+
+
+class SessionPools:
+    def __init__(self, idle_ttl_s: float = 0.0, clock: Callable[[], float] = time.monotonic) -> None:
+        if idle_ttl_s < 0:
+            raise ValueError("session_idle_ttl_s must be 0 (never) or positive")
+        self.idle_ttl_s = idle_ttl_s
+        self._clock = clock
+        self._chains: dict[SessionKey, SessionChain] = {}
+
+    def __len__(self) -> int:
+        return len(self._chains)
+
+    def __iter__(self) -> Iterator[tuple[SessionKey, SessionChain]]:
+        return iter(list(self._chains.items()))
+
+    def now(self) -> float:
+        return self._clock()
+
+    def get(self, key: SessionKey) -> SessionChain | None:
+        return self._chains.get(key)
+
+    def keep(self, key: SessionKey, chain: SessionChain) -> None:
+        chain.last_used = self._clock()
+        self._chains.pop(key, None)
+        self._chains[key] = chain  # most recently used last
+
+    def forget(self, key: SessionKey) -> SessionChain | None:
+        return self._chains.pop(key, None)
+
+    def forget_namespace(self, root: BlockHash) -> list[SessionChain]:
+        keys = [k for k in self._chains if k[0] == root]
+        return [self._chains.pop(k) for k in keys]
+
+    def forget_all(self) -> list[SessionChain]:
+        chains = list(self._chains.values())
+        self._chains.clear()
+        return chains
+
+    def expired(self, now: float | None = None) -> list[tuple[SessionKey, SessionChain]]:
+        """Forgets and returns the sessions idle for `idle_ttl_s` or longer."""
+        if not self.idle_ttl_s:
+            return []
+        now = self._clock() if now is None else now
+        out = []
+        for key, chain in list(self._chains.items()):  # least recently used first
+            if now - chain.last_used < self.idle_ttl_s:
+                break
+            out.append((key, self._chains.pop(key)))
+        return out
