@@ -327,9 +327,11 @@ class BlockPool:
         return list(self._cached.items())
 
     def is_leaf(self, block_id: int) -> bool:
-        """An indexed page nothing is chained after: the end of a cached prefix."""
+        """An indexed page nothing of its namespace is chained after: the end of a
+        cached prefix (a public prefix ends where tenants' own pages begin)."""
         page = self._cached.get(block_id)
-        return page is not None and page.block_hash not in self._children
+        return page is not None and all(self._cached[c].root != page.root
+                                        for c in self._children.get(page.block_hash, ()))
 
     def chain_to(self, block_id: int) -> list[int]:
         """The indexed pages from the start of `block_id`'s chain to it."""
