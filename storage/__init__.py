@@ -1,1 +1,1 @@
-"""Where KV bytes live: device/host pools, and (later) LMDB and Redis stores."""
+"""Where KV bytes live: the device pool, the host slab and the LMDB disk store, plus the SQL session store."""

@@ -1,0 +1,144 @@
+"""Codecs for a chunk payload: K/V values of one dtype, as one contiguous byte buffer.
+
+    raw          the bytes as they are
+    zstd         zstd over the bytes
+    zstd-planes  byte planes, then zstd: for an itemsize-k dtype, all high bytes of
+                 every value, then the next bytes, ..., then all low bytes. The high
+                 bytes hold sign and exponent, which vary little across activations,
+                 so they compress well once they are not interleaved with noisy
+                 mantissa bytes.
+
+Codecs are shared objects: `get_codec` hands out one per (name, level), and each
+keeps zstd contexts per thread (a context is not thread-safe, and making one per
+call costs more than compressing a small chunk).
+"""
+
+from __future__ import annotations
+
+import functools
+import sys
+import threading
+from collections.abc import Callable
+from typing import Protocol, TypeAlias
+
+import numpy as np
+import zstandard
+
+from kvtierd.storage.store_errors import CorruptValueError
+
+# Fast levels: chunks are written on the eviction path, where speed beats ratio.
+DEFAULT_LEVEL = 1
+
+Buffer: TypeAlias = bytes | bytearray | memoryview
+
+
+class Codec(Protocol):
+    name: str
+
+    def encode(self, data: Buffer, itemsize: int) -> bytes: ...
+
+    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> bytes:
+        """Inverse of encode; `nbytes` is the decoded size. Raises CorruptValueError."""
+        ...
+
+
+class RawCodec:
+    name = "raw"
+
+    def encode(self, data: Buffer, itemsize: int) -> bytes:
+        return bytes(data)
+
+    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> bytes:
+        if len(data) != nbytes:
+            raise CorruptValueError("payload", f"raw payload has {len(data)} bytes, expected {nbytes}")
+        return bytes(data)
+
+
+class ZstdCodec:
+    name = "zstd"
+
+    def __init__(self, level: int = DEFAULT_LEVEL) -> None:
+        self.level = level
+        self._contexts = _ZstdContexts(level)
+
+    def encode(self, data: Buffer, itemsize: int) -> bytes:
+        return self._contexts.cctx.compress(data)
+
+    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> bytes:
+        try:
+            # max_output_size bounds the allocation should the frame's own size field lie.
+            out = self._contexts.dctx.decompress(data, max_output_size=nbytes)
+        except zstandard.ZstdError as e:
+            raise CorruptValueError("payload", f"zstd: {e}") from e
+        if len(out) != nbytes:
+            raise CorruptValueError("payload", f"zstd payload decodes to {len(out)} bytes, expected {nbytes}")
+        return out
+
+
+class ZstdPlanesCodec(ZstdCodec):
+    """Byte planes in one zstd frame. A tail shorter than one item (odd sizes) follows the planes as is."""
+
+    name = "zstd-planes"
+
+    def encode(self, data: Buffer, itemsize: int) -> bytes:
+        planes, tail = _to_planes(data, itemsize)
+        stream = self._contexts.cctx.compressobj(size=planes.nbytes + len(tail))
+        parts = []
+        for plane in planes:
+            # A zstd block ends with each plane, so each plane gets entropy tables of its own:
+            # without that, a chunk under zstd's 128 KiB block size gains nothing from planes.
+            parts += [stream.compress(plane), stream.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)]
+        parts += [stream.compress(tail), stream.flush()]
+        return b"".join(parts)
+
+    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> bytes:
+        return _from_planes(super().decode(data, itemsize, nbytes), itemsize)
+
+
+class _ZstdContexts(threading.local):
+    """A compressor and a decompressor per thread: zstd contexts are not thread-safe."""
+
+    def __init__(self, level: int) -> None:
+        # The content size goes into each frame, so decoding allocates its output once.
+        self.cctx = zstandard.ZstdCompressor(level=level, write_content_size=True)
+        self.dctx = zstandard.ZstdDecompressor()
+
+
+def _to_planes(data: Buffer, itemsize: int) -> tuple[np.ndarray, bytes]:
+    """[itemsize, num_items] byte planes, high byte first, and the bytes past the last whole item."""
+    if itemsize < 1:
+        raise ValueError(f"itemsize must be positive, got {itemsize}")
+    raw = np.frombuffer(data, dtype=np.uint8)
+    whole = len(raw) - len(raw) % itemsize
+    items = raw[:whole].reshape(-1, itemsize)  # [num_items, itemsize], a view
+    # The transposed copy is the one pass over the data.
+    return np.ascontiguousarray(items[:, _HIGH_FIRST].T), raw[whole:].tobytes()
+
+
+def _from_planes(data: bytes, itemsize: int) -> bytes:
+    raw = np.frombuffer(data, dtype=np.uint8)
+    whole = len(raw) - len(raw) % itemsize
+    planes = raw[:whole].reshape(itemsize, -1)  # [itemsize, num_items], high byte first
+    items = np.ascontiguousarray(planes.T[:, _HIGH_FIRST])  # reversing twice restores the order
+    return items.tobytes() + raw[whole:].tobytes()
+
+
+# Byte order within an item, high byte first: reversed on little-endian hosts.
+_HIGH_FIRST = slice(None, None, -1) if sys.byteorder == "little" else slice(None)
+
+_CODECS: dict[str, Callable[[int], Codec]] = {
+    RawCodec.name: lambda level: RawCodec(),
+    ZstdCodec.name: ZstdCodec,
+    ZstdPlanesCodec.name: ZstdPlanesCodec,
+}
+CODEC_NAMES = tuple(_CODECS)
+
+
+@functools.cache
+def get_codec(name: str, level: int = DEFAULT_LEVEL) -> Codec:
+    """The shared codec `name` (the level only matters when encoding). Raises ValueError for an unknown name."""
+    try:
+        make = _CODECS[name]
+    except KeyError:
+        raise ValueError(f"unknown codec {name!r}; known: {', '.join(CODEC_NAMES)}") from None
+    return make(level)

@@ -1,0 +1,375 @@
+"""The disk tier: chunk values in one LMDB environment under a directory.
+
+Three sub-databases:
+
+    values      key -> value (a kv_frame; opaque here)
+    order       key -> <Q use sequence, Q charged bytes>: the LRU order, read into memory at open
+    quarantine  key -> <Q time_ns, H reason length> + reason + the bad value
+
+Every batch is one write transaction, synced at commit: a batch is wholly there
+or wholly absent after kill -9 or a power cut, and a value is never torn.
+
+The LRU lives in memory (an OrderedDict rebuilt from `order` at open). A read
+gives its keys new use sequences in memory only; they reach `order` with the
+next write transaction (or at close), so a read never pays for an fsync.
+
+Room: before a batch of `need` bytes is written, LRU values are evicted until
+
+    live pages + 2 * need + slack <= map size
+
+where live pages are what LMDB's trees hold now (exact, from its stats). Twice
+the batch, because LMDB keeps the previous snapshot intact: the pages that the
+eviction just freed become reusable only one transaction later. The slack is
+for the copied tree pages of a write and the free list's own pages. Should that
+still fall short (MapFullError), more values go and the write is retried: a
+full map means eviction, never an error to the caller. Only a map so jammed
+that even deletes fail makes the store unavailable.
+
+Threads: any thread may call any method (the tier manager uses a pool). Writers
+are serialized by `_write_lock` (LMDB serializes them anyway); `_lock` guards
+the in-memory LRU and counters and is never held across I/O. Open the store
+after forking, never before: an LMDB environment does not survive fork; and
+open a directory once per process (LMDB's rule).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import lmdb
+
+from kvtierd.storage.chunk_store import StoreStats
+from kvtierd.storage.store_errors import StoreUnavailableError
+
+# Kept free: map_size // SLACK_RATIO, between MIN_SLACK_PAGES (each write copies a few tree
+# pages per sub-database, and the freed ones stay pinned for a transaction) and MAX_SLACK.
+SLACK_RATIO = 16
+MIN_SLACK_PAGES = 64
+MAX_SLACK = 256 << 20
+ENTRY_OVERHEAD = 64  # a leaf node's header and key, plus the order record, per value (roughly)
+MAX_QUARANTINED = 16  # the newest bad values kept for inspection; older ones are dropped
+MAX_WRITE_ATTEMPTS = 4
+READ_TXN_SPARES = 8  # read transactions LMDB keeps for reuse: about the tier manager's thread count
+
+_ORDER = struct.Struct("<QQ")
+_QUARANTINE_HEADER = struct.Struct("<QH")
+
+
+@dataclass(slots=True)
+class _Entry:
+    seq: int  # use sequence: larger is more recent
+    charge: int  # about the bytes the value takes in the map: what evicting it frees
+
+
+class DiskStore:
+    """A ChunkStore on LMDB. Raises StoreUnavailableError at open, or once LMDB itself fails."""
+
+    def __init__(self, path: str | os.PathLike[str], *, map_size: int) -> None:
+        self.path = Path(path)
+        try:
+            self._env = lmdb.open(
+                str(self.path),
+                # `path` is a directory holding data.mdb and lock.mdb.
+                subdir=True,
+                # The directory must exist: the daemon makes its state directory with its own
+                # owner and mode, and a missing one is a misconfiguration to report, not to paper over.
+                create=False,
+                # The file's upper bound. It grows sparsely, so a large map costs no disk until used;
+                # an existing file larger than this keeps its size.
+                map_size=map_size,
+                max_dbs=3,  # values, order, quarantine
+                # Chunk reads are random and whole: readahead would only push useful pages out of the page cache.
+                readahead=False,
+                # Pages are written with write(), not through a writable map: slower, but a stray
+                # write into the map cannot corrupt the file, and the file grows with its data
+                # instead of being sized to the whole map at open.
+                writemap=False,
+                # fsync data and meta page at every commit: a committed batch survives a power cut too,
+                # at the cost of one fsync per batch (batches are large, so that is cheap per byte).
+                # With sync=False a power cut could lose the last commits or corrupt the file.
+                sync=True,
+                metasync=True,
+                # The lock file lets readers and the one writer share the file, across processes too.
+                lock=True,
+                max_spare_txns=READ_TXN_SPARES,
+            )
+        except lmdb.Error as e:
+            raise StoreUnavailableError(f"disk KV store {self.path}: {e}") from e
+        try:
+            # Reader slots left by a killed process would pin old pages and keep the map from reusing them.
+            self._env.reader_check()
+            self._psize = self._env.stat()["psize"]
+            self._max_key = self._env.max_key_size()
+            with self._env.begin(write=True) as txn:
+                self._values = self._env.open_db(b"values", txn=txn)
+                self._order = self._env.open_db(b"order", txn=txn)
+                self._quarantine = self._env.open_db(b"quarantine", txn=txn)
+            with self._env.begin() as txn:
+                self._lru = _read_lru(txn, self._order)
+            self._lock = threading.Lock()
+            self._measure()
+        except lmdb.Error as e:
+            self._env.close()
+            raise StoreUnavailableError(f"disk KV store {self.path} is unreadable: {e}") from e
+        self._map_bytes = self._env.info()["map_size"]
+        self._slack = max(MIN_SLACK_PAGES * self._psize, min(self._map_bytes // SLACK_RATIO, MAX_SLACK))
+        self._next_seq = max((e.seq for e in self._lru.values()), default=0) + 1
+        self._touched: set[bytes] = set()  # read since their sequence was last written
+        self._write_lock = threading.Lock()
+        self._failure: str | None = None
+        self._num_puts = self._num_gets = self._num_hits = 0
+        self._num_evictions = self._num_rejected = self._num_corrupt = 0
+
+    def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        self._check_keys(keys)
+        with self._guard(), self._env.begin() as txn:
+            cursor = txn.cursor(db=self._values)
+            for n, key in enumerate(keys):
+                if not cursor.set_key(key):  # positions only: the value is not copied
+                    return n
+            return len(keys)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        self._check_keys(keys)
+        # buffers=False: each value is copied out inside the transaction, never a view of the map.
+        with self._guard(), self._env.begin(buffers=False) as txn:
+            values = [txn.get(key, db=self._values) for key in keys]
+        with self._lock:
+            self._num_gets += len(keys)
+            for key, value in zip(keys, values, strict=True):
+                entry = self._lru.get(key) if value is not None else None
+                if entry is not None:
+                    self._num_hits += 1
+                    self._lru.move_to_end(key)
+                    entry.seq = self._next_seq
+                    self._next_seq += 1
+                    self._touched.add(key)
+        return values
+
+    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> bool:
+        batch = dict(items)  # a key given twice keeps its last value
+        self._check_keys(batch)
+        if not batch:
+            return True
+        charges = {key: self._charge(len(value)) for key, value in batch.items()}
+        need = sum(charges.values())
+        with self._guard(), self._write_lock:
+            if 2 * need + self._slack > self._map_bytes or not self._make_room(need):
+                with self._lock:
+                    self._num_rejected += 1
+                return False
+            with self._lock:
+                entries = {key: _Entry(self._next_seq + i, charges[key]) for i, key in enumerate(batch)}
+                self._next_seq += len(batch)
+
+            def write(txn: lmdb.Transaction) -> None:
+                for key, value in batch.items():
+                    txn.put(key, value, db=self._values)
+                    txn.put(key, _ORDER.pack(entries[key].seq, entries[key].charge), db=self._order)
+
+            stored = self._write(write, need)
+            with self._lock:
+                if not stored:
+                    self._num_rejected += 1
+                    return False
+                for key, entry in entries.items():
+                    self._lru.pop(key, None)  # a replaced value moves to the most recent end
+                    self._lru[key] = entry
+                    self._touched.discard(key)
+                self._num_puts += len(batch)
+            return True
+
+    def delete_many(self, keys: Sequence[bytes]) -> int:
+        self._check_keys(keys)
+        with self._guard(), self._write_lock:
+            deleted: list[bytes] = []
+
+            def write(txn: lmdb.Transaction) -> None:
+                deleted[:] = [key for key in keys if _delete_value(txn, key, self._values, self._order)]
+
+            self._write(write)
+            self._forget(deleted)
+            return len(deleted)
+
+    def quarantine(self, key: bytes, reason: str) -> bool:
+        """Moves a value that failed its checks out of `values`, keeping it and the reason for inspection.
+
+        Counted as corrupt either way; returns whether the value was still there to move.
+        """
+        self._check_keys([key])
+        record = _QUARANTINE_HEADER.pack(time.time_ns(), len(reason.encode())) + reason.encode()
+        with self._guard(), self._write_lock:
+            with self._lock:
+                self._num_corrupt += 1
+                # Out of the LRU first, so that making room for the record cannot pick it.
+                entry = self._lru.pop(key, None)
+                self._touched.discard(key)
+            if entry is None:
+                return False
+
+            def move(txn: lmdb.Transaction) -> None:
+                value = txn.get(key, db=self._values)
+                if value is not None:
+                    _delete_value(txn, key, self._values, self._order)
+                    txn.put(key, record + value, db=self._quarantine)
+                    _drop_oldest_quarantined(txn, self._quarantine)
+
+            if not self._write(move):
+                # No room even for the record: the bad value must still never be served again.
+                self._write(lambda txn: _delete_value(txn, key, self._values, self._order))
+            return True
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                num_entries=len(self._lru),
+                bytes_used=self._live_bytes,
+                capacity_bytes=self._map_bytes,
+                num_puts=self._num_puts,
+                num_gets=self._num_gets,
+                num_hits=self._num_hits,
+                num_evictions=self._num_evictions,
+                num_rejected=self._num_rejected,
+                num_corrupt=self._num_corrupt,
+                num_quarantined=self._num_quarantined,
+                healthy=self._failure is None,
+                reason=self._failure,
+            )
+
+    def close(self) -> None:
+        """Saves the LRU positions of values read since the last write, then closes the environment."""
+        if self._failure is None:
+            with self._guard(), self._write_lock:
+                if self._touched:
+                    self._write(lambda txn: None)
+        self._failure = "closed"
+        self._env.close()
+
+    # -- room ---------------------------------------------------------------------------------
+
+    def _charge(self, nbytes: int) -> int:
+        """About the map bytes a value takes: small ones share leaf pages (half full at worst),
+        larger ones take whole overflow pages of their own."""
+        if nbytes + ENTRY_OVERHEAD <= self._psize // 2:
+            return 2 * (nbytes + ENTRY_OVERHEAD)
+        return -(-(nbytes + ENTRY_OVERHEAD) // self._psize) * self._psize
+
+    def _make_room(self, need: int) -> bool:
+        """Evicts LRU values until a batch of `need` bytes fits (see the module's note on room)."""
+        while (excess := self._live_bytes + 2 * need + self._slack - self._map_bytes) > 0:
+            if not self._evict(excess):
+                return False
+        return True
+
+    def _evict(self, nbytes: int) -> bool:
+        """Drops least recently used values worth at least `nbytes` (or all); False if there was none."""
+        with self._lock:
+            victims, freed = [], 0
+            for key, entry in self._lru.items():
+                if freed >= nbytes:
+                    break
+                victims.append(key)
+                freed += entry.charge
+        if not victims:
+            return False
+        # A MapFullError here (not even a delete finds a free page) escapes to _guard: the store is jammed.
+        with self._env.begin(write=True) as txn:
+            for key in victims:
+                _delete_value(txn, key, self._values, self._order)
+        self._measure()
+        self._forget(victims)
+        with self._lock:
+            self._num_evictions += len(victims)
+        return True
+
+    def _write(self, body: Callable[[lmdb.Transaction], object], need: int = 0) -> bool:
+        """Runs `body` (writing about `need` bytes) in one write transaction; on a full map evicts
+        more and retries. False if it never fit.
+
+        The transaction also saves the use sequences of values read since the last write.
+        `body` may run more than once, so it reads the in-memory state but never changes it.
+        """
+        for _ in range(MAX_WRITE_ATTEMPTS):
+            with self._lock:
+                touched = {key: (e.seq, e.charge) for key in self._touched if (e := self._lru.get(key))}
+            try:
+                # buffers=True: reads inside a write are views of the map, valid until commit;
+                # a body copies what it keeps.
+                with self._env.begin(write=True, buffers=True) as txn:
+                    for key, (seq, charge) in touched.items():
+                        txn.put(key, _ORDER.pack(seq, charge), db=self._order)
+                    body(txn)
+            except lmdb.MapFullError:
+                # Tree pages, a free list too fragmented for a long overflow run, or pages a reader
+                # still holds took more than the headroom: free some more and try again.
+                if not self._evict(max(need, self._slack)):
+                    return False
+                continue
+            self._measure()
+            with self._lock:
+                # A key read again meanwhile has a newer sequence, still to save.
+                self._touched -= {
+                    key for key, (seq, _) in touched.items() if key not in self._lru or self._lru[key].seq == seq
+                }
+            return True
+        return False
+
+    def _forget(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            for key in keys:
+                self._lru.pop(key, None)
+                self._touched.discard(key)
+
+    def _measure(self) -> None:
+        """Reads the pages LMDB's trees hold now (the free list's own pages are in the slack)."""
+        with self._env.begin() as txn:
+            stats = [txn.stat(db) for db in (self._values, self._order, self._quarantine)]
+        stats.append(self._env.stat())  # the main tree, which names the sub-databases
+        live = sum(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"] for st in stats) * self._psize
+        with self._lock:
+            self._live_bytes = live
+            self._num_quarantined = stats[2]["entries"]
+
+    # -- errors -------------------------------------------------------------------------------
+
+    def _check_keys(self, keys: Iterable[bytes]) -> None:
+        # A bad key is the caller's bug; letting LMDB reject it would look like a failing disk.
+        for key in keys:
+            if not 0 < len(key) <= self._max_key:
+                raise ValueError(f"a key must have 1 to {self._max_key} bytes, got {len(key)}")
+
+    @contextmanager
+    def _guard(self) -> Iterator[None]:
+        """Turns LMDB's errors (a failing disk, a corrupted page) into StoreUnavailableError, and keeps it so."""
+        if self._failure is not None:
+            raise StoreUnavailableError(f"disk KV store {self.path} is unavailable: {self._failure}")
+        try:
+            yield
+        except lmdb.Error as e:
+            self._failure = f"{type(e).__name__}: {e}"
+            raise StoreUnavailableError(f"disk KV store {self.path} failed: {e}") from e
+
+
+def _read_lru(txn: lmdb.Transaction, order_db: lmdb._Database) -> OrderedDict[bytes, _Entry]:
+    entries = [(key, _Entry(*_ORDER.unpack(raw))) for key, raw in txn.cursor(db=order_db)]
+    entries.sort(key=lambda item: item[1].seq)
+    return OrderedDict(entries)
+
+
+def _delete_value(txn: lmdb.Transaction, key: bytes, values_db: lmdb._Database, order_db: lmdb._Database) -> bool:
+    txn.delete(key, db=order_db)
+    return txn.delete(key, db=values_db)
+
+
+def _drop_oldest_quarantined(txn: lmdb.Transaction, quarantine_db: lmdb._Database) -> None:
+    while txn.stat(quarantine_db)["entries"] > MAX_QUARANTINED:
+        oldest, _ = min(txn.cursor(db=quarantine_db), key=lambda item: _QUARANTINE_HEADER.unpack_from(item[1])[0])
+        txn.delete(bytes(oldest), db=quarantine_db)
