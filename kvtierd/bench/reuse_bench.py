@@ -1,10 +1,11 @@
 """`kvtierd bench reuse`: what the prefix index saves, index on and off in one process.
 
 - Multi-turn: a chat over one document, each turn's prompt the whole rendered
-  history (earlier replies included). TTFT per turn with the prefix index vs an
-  engine that computes every prompt (`EngineConfig(enable_prefix_caching=False)`),
-  on identical prompts: the replies come from the cached run. The two sides are
-  interleaved turn by turn, so machine noise hits both alike.
+  history (earlier replies included), sent as one session: TTFT per turn with
+  the session's context pool (and the prefix index) vs an engine that computes
+  every prompt (`EngineConfig(enable_prefix_caching=False)`), on identical
+  prompts: the replies come from the cached run. The two sides are interleaved
+  turn by turn, so machine noise hits both alike.
 - Shared document: many questions over one document; prefill tokens computed
   (prompt tokens minus cached tokens) and wall time, index on and off.
   Submitted all at once, a request admitted before the document's pages are
@@ -100,26 +101,28 @@ class FirstToken:
     ttft_s: float
     num_prompt_tokens: int
     num_cached_tokens: int
+    cache_source: str
     token_ids: list[int]  # every output token
     text: str
 
 
-def run_request(engine: LLMEngine, prompt: list[int], max_tokens: int, tenant: str = "") -> FirstToken:
+def run_request(engine: LLMEngine, prompt: list[int], max_tokens: int, tenant: str = "",
+                session_id: str | None = None) -> FirstToken:
     """Runs one request alone to completion; times its first token."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0)
     t0 = time.perf_counter()
-    rid = engine.add_request(prompt, params, tenant=tenant)
-    ttft, cached, ids, text = None, 0, [], []
+    rid = engine.add_request(prompt, params, tenant=tenant, session_id=session_id)
+    ttft, cached, source, ids, text = None, 0, "none", [], []
     while engine.has_unfinished():
         for o in engine.step():
             if o.request_id != rid:
                 continue
             if ttft is None:
-                ttft, cached = time.perf_counter() - t0, o.num_cached_tokens
+                ttft, cached, source = time.perf_counter() - t0, o.num_cached_tokens, o.cache_source
             ids += o.token_ids
             text.append(o.text)
     assert ttft is not None, f"request {rid} produced no token"
-    return FirstToken(ttft, len(prompt), cached, ids, "".join(text))
+    return FirstToken(ttft, len(prompt), cached, source, ids, "".join(text))
 
 
 def warm_up(engine: LLMEngine) -> None:
@@ -143,13 +146,14 @@ def run_multi_turn(loaded: LoadedModel, turns: int, doc_tokens: int, reply_token
     rows = []
     for t in range(turns):
         prompt = tok.encode_chat(messages)
-        hit = run_request(cached_engine, prompt, reply_tokens)
+        hit = run_request(cached_engine, prompt, reply_tokens, session_id="bench")
         cold = run_request(recompute_engine, prompt, 1)  # TTFT only: the reply comes from the cached run
         assert cold.num_cached_tokens == 0, "the recompute engine served a cached prefix"
         rows.append({
             "turn": t + 1,
             "prompt_tokens": len(prompt),
             "cached_tokens": hit.num_cached_tokens,
+            "source": hit.cache_source,
             "ttft_cached_ms": hit.ttft_s * 1e3,
             "ttft_recompute_ms": cold.ttft_s * 1e3,
             "speedup": cold.ttft_s / hit.ttft_s,

@@ -158,14 +158,14 @@ def bench_reuse(
     typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), {m['date']}")
     mt = figures["multi_turn"]
     typer.echo(
-        f"multi-turn: {mt['turns']} turns over a {mt['doc_tokens']:,}-token document; each prompt is the whole "
-        f"rendered history; greedy replies of up to {mt['reply_tokens']} tokens from the cached run, so both "
+        f"multi-turn: {mt['turns']} turns over a {mt['doc_tokens']:,}-token document, one session; each prompt is "
+        f"the whole rendered history; greedy replies of up to {mt['reply_tokens']} tokens from the cached run, so both "
         "sides see the same prompts; TTFT is engine time, the two sides interleaved turn by turn"
     )
     print_table(
-        "multi-turn TTFT: prefix index vs full recompute",
-        ["turn", "prompt tokens", "cached", "TTFT hit ms", "TTFT recompute ms", "speedup"],
-        [[r["turn"], r["prompt_tokens"], r["cached_tokens"], r["ttft_cached_ms"], r["ttft_recompute_ms"],
+        "multi-turn TTFT: session pool vs full recompute",
+        ["turn", "prompt tokens", "cached", "from", "TTFT hit ms", "TTFT recompute ms", "speedup"],
+        [[r["turn"], r["prompt_tokens"], r["cached_tokens"], r["source"], r["ttft_cached_ms"], r["ttft_recompute_ms"],
           r["speedup"]] for r in mt["rows"]],
     )
     if mt["speedup_later_turns_median"] is not None:
