@@ -7,7 +7,7 @@ never ORM rows. A turn (user message + reply) is written in one transaction.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -22,7 +22,7 @@ from sqlalchemy.engine import URL, Engine
 from sqlalchemy.orm import sessionmaker
 
 from kvtierd.storage.sql_migrate import upgrade_to_head
-from kvtierd.storage.sql_models import MESSAGE_STATUSES, MessageRow, SessionRow
+from kvtierd.storage.sql_models import MESSAGE_ROLES, MessageRow, SessionRow
 from kvtierd.storage.store_errors import (
     SessionNotFoundError,
     SessionStoreError,
@@ -30,7 +30,7 @@ from kvtierd.storage.store_errors import (
     StoreUnavailableError,
 )
 
-TurnStatus = Literal["complete", "interrupted"]
+TurnStatus = Literal["complete", "interrupted"]  # what a turn is stored as; "superseded" comes later, by an edit
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,15 +175,23 @@ class SessionStore:
         prompt_tokens: int | None,
         completion_tokens: int | None,
         token_count: int,
+        supersede_from: int | None = None,
+        earlier: Sequence[tuple[str, str]] = (),
     ) -> tuple[MessageRecord, MessageRecord]:
         """Store a user message and its reply together, or neither.
 
         Both messages carry the turn's `status`: "complete", or "interrupted" when
         the reply was cut short (client gone, cancelled, error). The usage counts
         belong to the reply; `token_count` is the session's new total.
+
+        An edited history: messages from seq `supersede_from` on are marked
+        "superseded" (kept, not deleted), and `earlier` (role, content) messages
+        the edit brought are stored, complete, before the user message.
         """
-        if status not in MESSAGE_STATUSES:
-            raise StoreArgumentError(f"status must be one of {MESSAGE_STATUSES}, got {status!r}")
+        if status not in ("complete", "interrupted"):
+            raise StoreArgumentError(f"a turn's status is complete or interrupted, not {status!r}")
+        if any(role not in MESSAGE_ROLES for role, _ in earlier):
+            raise StoreArgumentError(f"messages' roles are {MESSAGE_ROLES}")
         now = _utcnow()
         touch = (
             sa.update(SessionRow)
@@ -197,8 +205,16 @@ class SessionStore:
             # concurrent turns on one session queue up instead of racing for a seq.
             if db.connection().execute(touch).rowcount != 1:
                 raise SessionNotFoundError(session_id)
+            if supersede_from is not None:
+                db.execute(sa.update(MessageRow)
+                           .where(MessageRow.session_id == session_id, MessageRow.seq >= supersede_from)
+                           .values(status="superseded"))
             last = db.scalar(last_seq)
             seq = 0 if last is None else last + 1
+            for role, content in earlier:
+                db.add(MessageRow(session_id=session_id, seq=seq, role=role, content=content, status="complete",
+                                  created_at=now))
+                seq += 1
             user = MessageRow(
                 session_id=session_id,
                 seq=seq,

@@ -23,7 +23,7 @@ NAMING_CONVENTION = {
 
 # Mirror the CHECK constraints on messages, so callers can validate before writing.
 MESSAGE_ROLES = ("user", "assistant")
-MESSAGE_STATUSES = ("complete", "interrupted")
+MESSAGE_STATUSES = ("complete", "interrupted", "superseded")
 
 
 class UTCDateTime(sa.TypeDecorator[datetime]):
@@ -77,7 +77,7 @@ class MessageRow(Base):
     __table_args__ = (
         sa.UniqueConstraint("session_id", "seq"),
         sa.CheckConstraint("role IN ('user', 'assistant')", name="role"),
-        sa.CheckConstraint("status IN ('complete', 'interrupted')", name="status"),
+        sa.CheckConstraint("status IN ('complete', 'interrupted', 'superseded')", name="status"),
     )
 
     id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)

@@ -156,3 +156,34 @@ def test_a_session_that_outgrows_the_window_is_truncated_and_replies_as_if_compu
     cold = chat(small, "trunc-cold", [{"role": "system", "content": system}] + kept)
     assert cached(cold) == 0
     assert_same_reply(turns[-1], cold)
+
+
+def test_an_edited_history_replaces_the_stored_turns_and_reuses_up_to_the_edit(small):
+    with small.openai(**{"X-Kvtierd-Tenant": "edit"}) as client, small.client(**{"X-Kvtierd-Tenant": "edit"}) as http:
+        sid = http.post("/v1/sessions", json={}).json()["id"]
+        history = []
+        for q in ("What is a page?", "What is a page table?", "What is eviction?"):
+            history.append({"role": "user", "content": q})
+            r = client.chat.completions.create(model="default", messages=history, extra_body={"session_id": sid},
+                                               **GREEDY)
+            history.append({"role": "assistant", "content": r.choices[0].message.content})
+        # Edit the second question; the client drops what followed it, as chat UIs do.
+        edited = history[:2] + [{"role": "user", "content": "What is a block table?"}]
+        r = client.chat.completions.create(model="default", messages=edited, extra_body={"session_id": sid},
+                                           **GREEDY)
+        warm = r.model_dump()
+        stored = http.get(f"/v1/sessions/{sid}").json()["messages"]
+    assert warm["kvtierd"]["cache_source"] == "session" and cached(warm) > 0
+    assert [m["status"] for m in stored] == ["complete"] * 2 + ["superseded"] * 4 + ["complete"] * 2
+    assert [m["content"] for m in stored if m["status"] == "complete"][:3] == [m["content"] for m in edited]
+    cold = chat(small, "edit-cold", edited)
+    assert_same_reply(warm, cold)
+
+
+def test_a_session_request_with_another_system_prompt_is_a_clear_400(small):
+    with small.client(**{"X-Kvtierd-Tenant": "edit"}) as http:
+        sid = http.post("/v1/sessions", json={"system_prompt": "Be brief."}).json()["id"]
+        r = http.post("/v1/chat/completions", json={
+            "session_id": sid, "messages": [{"role": "system", "content": "Be verbose."}, {"role": "user", "content": "Hi"}]})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages[0]"
+        assert http.get(f"/v1/sessions/{sid}").json()["messages"] == []

@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+from alembic import command
 from sqlalchemy.engine import Engine
 
 from kvtierd.storage.session_store import SessionStore
-from kvtierd.storage.sql_migrate import upgrade_to_head
+from kvtierd.storage.sql_migrate import alembic_config, upgrade_to_head
 from kvtierd.storage.store_errors import (
     SessionNotFoundError,
     SessionStoreError,
@@ -92,13 +93,35 @@ def test_migrations_create_the_tables_and_rerunning_is_a_no_op(store_url: str) -
         assert fk["referred_table"] == "sessions"
         assert fk["options"].get("ondelete") == "CASCADE"
         with engine.connect() as conn:
-            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0001"]
+            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0002"]
     finally:
         engine.dispose()
 
     # A store opened on the migrated database migrates nothing and works.
     with SessionStore(store_url) as store:
         assert store.list_sessions("t") == []
+
+
+def test_upgrading_a_0001_store_keeps_its_messages_and_allows_superseded(store_url: str) -> None:
+    sqlite_file = sa.make_url(store_url).database
+    if store_url.startswith("sqlite") and sqlite_file:
+        Path(sqlite_file).parent.mkdir(parents=True)
+    command.upgrade(alembic_config(store_url), "0001")
+    engine = sa.create_engine(store_url)
+    try:
+        with engine.begin() as conn:
+            conn.execute(sa.text("INSERT INTO sessions (id, tenant, created_at, last_used_at) "
+                                 "VALUES ('s1', 't', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+            conn.execute(sa.text("INSERT INTO messages (session_id, seq, role, content, status, created_at) "
+                                 "VALUES ('s1', 0, 'user', 'hello', 'complete', CURRENT_TIMESTAMP)"))
+        upgrade_to_head(store_url)
+        with engine.begin() as conn:
+            conn.execute(sa.text("UPDATE messages SET status = 'superseded' WHERE session_id = 's1'"))
+            assert conn.execute(sa.text("SELECT content, status FROM messages")).all() == [("hello", "superseded")]
+            with pytest.raises(sa.exc.IntegrityError):
+                conn.execute(sa.text("UPDATE messages SET status = 'lost'"))
+    finally:
+        engine.dispose()
 
 
 # --- sessions -----------------------------------------------------------------------------
@@ -203,6 +226,33 @@ def test_an_interrupted_turn_is_marked_interrupted(store: SessionStore) -> None:
         ("user", "complete"), ("assistant", "complete"),
         ("user", "interrupted"), ("assistant", "interrupted"),
     ]  # fmt: skip
+
+
+def test_an_edit_supersedes_the_messages_it_replaces_and_stores_what_it_brings(store: SessionStore) -> None:
+    session = store.create_session("acme")
+    for i in range(3):
+        turn(store, "acme", session.id, i)
+    # The client edited turn 1's reply and asks a new question: turn 1's reply and turn 2 are replaced.
+    store.append_turn("acme", session.id, "new question", "new reply", prompt_tokens=5, completion_tokens=2,
+                      token_count=40, supersede_from=3, earlier=[("assistant", "edited reply 1"), ("user", "q2'"),
+                                                               ("assistant", "a2'")])
+    rows = [(m.seq, m.role, m.content, m.status) for m in store.messages("acme", session.id)]
+    assert [r[3] for r in rows[:3]] == ["complete"] * 3
+    assert [r[3] for r in rows[3:6]] == ["superseded"] * 3
+    assert [(r[1], r[2], r[3]) for r in rows[6:]] == [
+        ("assistant", "edited reply 1", "complete"), ("user", "q2'", "complete"), ("assistant", "a2'", "complete"),
+        ("user", "new question", "complete"), ("assistant", "new reply", "complete"),
+    ]  # fmt: skip
+    assert [r[0] for r in rows] == list(range(11))
+
+
+def test_an_edit_with_a_bad_role_writes_nothing(store: SessionStore) -> None:
+    session = store.create_session("acme")
+    turn(store, "acme", session.id, 0)
+    with pytest.raises(StoreArgumentError):
+        store.append_turn("acme", session.id, "q", "a", prompt_tokens=1, completion_tokens=1, token_count=2,
+                          supersede_from=0, earlier=[("system", "no")])
+    assert {m.status for m in store.messages("acme", session.id)} == {"complete"}
 
 
 def test_an_unknown_status_is_rejected_before_writing(store: SessionStore) -> None:

@@ -1,11 +1,18 @@
 """Chat turns bound to a stored session: building the prompt and recording the turn.
 
 A request with `session_id` may carry the full history (as plain OpenAI clients
-do) or only the new message(s). When the request starts with the stored
-history, it is taken as is; otherwise its messages are appended to the stored
-history. Either way the prompt begins with the session's earlier turns, and the
-engine starts it from the session's context pool, so only the new tokens are
-computed. A turn is recorded with its whole reply, or marked interrupted.
+do) or only the new message(s):
+
+- it starts with the stored history: taken as is, the rest is new;
+- it starts like the stored history (same first message) but departs from it:
+  an edited history. Its messages from the first difference replace the stored
+  ones, which stay in the store marked superseded (a resent history that stops
+  at a user message, e.g. to regenerate a reply, replaces from that message);
+- otherwise its messages are new, appended to the stored history.
+
+The engine starts the prompt from the session's context pool, so only the
+tokens after the first difference are computed. A turn is recorded with its
+whole reply, or marked interrupted.
 
 When a session outgrows the context window (its prompt plus max_tokens), the
 truncation policy (`kvtierd/server/truncation.py`) drops its oldest turns from
@@ -35,6 +42,8 @@ class Turn:
     session_id: str | None = None
     user_content: str | None = None  # the new user message, recorded with the reply
     truncated: Truncation | None = None  # what the truncation policy left out of the prompt
+    supersede_from: int | None = None  # an edit: the stored messages from this seq on are replaced
+    earlier: tuple[tuple[str, str], ...] = ()  # (role, content) new messages before the user message
 
 
 def session_history(session: SessionRecord, messages: list[MessageRecord]) -> list[dict[str, str]]:
@@ -44,11 +53,11 @@ def session_history(session: SessionRecord, messages: list[MessageRecord]) -> li
     return history
 
 
-async def load_history(state: DaemonState, tenant: str, session_id: str) -> list[dict[str, str]]:
+async def load_session(state: DaemonState, tenant: str, session_id: str) -> tuple[SessionRecord, list[MessageRecord]]:
     session = await state.db(state.store.get_session, tenant, session_id)
     if session is None:
         raise ApiError(404, f"no session {session_id!r}", param="session_id", code="session_not_found")
-    return session_history(session, await state.db(state.store.messages, tenant, session_id))
+    return session, await state.db(state.store.messages, tenant, session_id)
 
 
 async def prepare_chat_turn(
@@ -57,24 +66,37 @@ async def prepare_chat_turn(
     tok = state.loaded.tokenizer
     if session_id is None:
         return Turn(tok.encode_chat(messages))
-    history = await load_history(state, tenant, session_id)
+    session, records = await load_session(state, tenant, session_id)
+    history = session_history(session, records)
+    supersede_from = None
     if messages[: len(history)] == history:
         full, new = messages, messages[len(history) :]
+    elif len(messages) > 1 and history and messages[0] == history[0]:
+        differs = next((i for i, (m, h) in enumerate(zip(messages, history)) if m != h), len(messages))
+        k = min(differs, len(messages) - 1)
+        stored = [r for r in records if r.status == "complete"]
+        offset = len(history) - len(stored)  # the system prompt, which is the session's, not a message
+        full, new, supersede_from = messages, messages[k:], stored[k - offset].seq
+    elif messages[0]["role"] == "system":
+        raise bad_request("this session's system prompt differs: it is set when the session is created; send the "
+                          "stored history (edited or not) or only new messages", param="messages[0]")
     else:
         full, new = history + messages, messages
-    if not new or new[-1]["role"] != "user":
+    if not new or new[-1]["role"] != "user" or any(m["role"] == "system" for m in new):
         raise bad_request("a session request must add a user message after the stored history", param="messages")
-    return session_turn(state, tenant, session_id, full, max_tokens)
+    earlier = tuple((m["role"], m["content"]) for m in new[:-1])
+    return session_turn(state, tenant, session_id, full, max_tokens, supersede_from, earlier)
 
 
 async def prepare_session_message(state: DaemonState, tenant: str, session_id: str, content: str,
                                   max_tokens: int) -> Turn:
-    history = await load_history(state, tenant, session_id)
+    session, records = await load_session(state, tenant, session_id)
+    history = session_history(session, records)
     return session_turn(state, tenant, session_id, history + [{"role": "user", "content": content}], max_tokens)
 
 
-def session_turn(state: DaemonState, tenant: str, session_id: str, messages: list[dict[str, str]],
-                 max_tokens: int) -> Turn:
+def session_turn(state: DaemonState, tenant: str, session_id: str, messages: list[dict[str, str]], max_tokens: int,
+                 supersede_from: int | None = None, earlier: tuple[tuple[str, str], ...] = ()) -> Turn:
     """The turn's prompt: the whole conversation, or what the truncation policy keeps of it."""
     s = state.settings
     budget = state.engine.engine.max_model_len - max_tokens
@@ -85,7 +107,7 @@ def session_turn(state: DaemonState, tenant: str, session_id: str, messages: lis
         state.truncation_cuts.pop(key, None)
     else:
         state.truncation_cuts[key] = truncated.dropped_messages
-    return Turn(prompt, session_id, messages[-1]["content"], truncated)
+    return Turn(prompt, session_id, messages[-1]["content"], truncated, supersede_from, earlier)
 
 
 async def record_turn(state: DaemonState, tenant: str, turn: Turn, result: GenerationResult) -> None:
@@ -97,5 +119,6 @@ async def record_turn(state: DaemonState, tenant: str, turn: Turn, result: Gener
         state.store.append_turn, tenant, turn.session_id, turn.user_content or "", result.text,
         status=status, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
         token_count=result.prompt_tokens + result.completion_tokens,
+        supersede_from=turn.supersede_from, earlier=turn.earlier,
     )
     await asyncio.shield(write)
