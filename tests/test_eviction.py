@@ -298,7 +298,7 @@ class EvictionMachine(RuleBasedStateMachine):
         """A session's next turn: its kept tokens (cut short: an edited history) and new ones."""
         chain = self.kv.sessions.get((root, session))
         if chain is not None:
-            self._start(chain.token_ids[:keep] + new, root, True, session, None)
+            self._start(list(chain.token_ids[:keep]) + new, root, True, session, None)
 
     def _start(self, tokens, root, reuse, session, tag):
         seq = f"s{self.next_id}"

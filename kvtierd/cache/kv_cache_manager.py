@@ -24,6 +24,7 @@ part is ever shared.
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -227,7 +228,7 @@ class KVCacheManager:
             return
         pages = table.block_ids[: -(-num_computed // self.block_size)]
         self.sessions.keep(key, SessionChain(
-            token_ids=list(token_ids[:num_computed]), block_ids=list(pages),
+            token_ids=array("i", token_ids[:num_computed]), block_ids=list(pages),
             generations=[self.pool.generation[b] for b in pages],
             block_hashes=table.block_hashes[: num_computed // self.block_size],
             public_blocks=table.public_blocks, own_from=table.own_from, last_used=0.0))

@@ -20,6 +20,7 @@ stay in the session store).
 from __future__ import annotations
 
 import time
+from array import array
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ SessionKey = tuple[BlockHash, str]  # (namespace root, session id): ids never cr
 
 @dataclass(slots=True)
 class SessionChain:
-    token_ids: list[int]  # tokens whose K/V the pages hold, in order
+    token_ids: array  # tokens whose K/V the pages hold, in order (int32: 4 bytes a token, not 36)
     block_ids: list[int]
     generations: list[int]  # of each page when the chain was kept
     block_hashes: list[BlockHash]  # chained hashes of the leading full pages
