@@ -127,6 +127,46 @@ def bench_serve(
     write_json(json_path, figures)
 
 
+@bench_app.command("soak")
+def bench_soak(
+    socket: Annotated[Optional[Path], typer.Option(help="Soak the daemon on this socket; default: start one.")] = None,
+    sessions: Annotated[int, typer.Option(help="Chat sessions, one streamed turn each per round.")] = 16,
+    rounds: Annotated[int, typer.Option(help="Rounds after a warm-up round.")] = 5,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight at once.")] = 8,
+    max_tokens: Annotated[int, typer.Option()] = 16,
+    disconnect_p: Annotated[float, typer.Option(help="Chance a client hangs up after the first chunk.")] = 0.3,
+    seed: Annotated[int, typer.Option()] = 0,
+    json_path: JsonOpt = None,
+) -> None:
+    """Sessions, stateless chats and bad requests with random hang-ups; RSS and pages back to baseline?"""
+    from kvtierd.bench.serve_bench import ServeBenchError
+    from kvtierd.bench.soak_bench import run_soak_bench
+
+    if min(sessions, rounds, concurrency, max_tokens) < 1 or not 0 <= disconnect_p <= 1:
+        raise typer.BadParameter("counts must be at least 1 and --disconnect-p in [0, 1]")
+    try:
+        f = run_soak_bench(socket, sessions, rounds, concurrency, max_tokens, disconnect_p, seed)
+    except ServeBenchError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    m = machine()
+    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}; daemon: {f['daemon']}")
+    typer.echo(f"{f['sessions']} sessions x {f['rounds']} rounds, {f['concurrency']} at once, max_tokens "
+               f"{f['max_tokens']}, hang-up chance {f['disconnect_p']:.0%}: {f['requests']} requests in "
+               f"{f['wall_s']:.1f} s; 5xx seen: {f['errors_5xx']}")
+    print_table("outcomes", ["outcome", "requests"], sorted(f["outcomes"].items(), key=lambda kv: -kv[1]))
+    b, a = f["before"], f["after"]
+    print_table("daemon before and after (idle)", ["", "RSS MB", "pages used", "pages cached", "pages free"],
+                [["before", b["rss_bytes"] / 1e6, b["used_blocks"], b["cached_blocks"], b["free_blocks"]],
+                 ["after", a["rss_bytes"] / 1e6, a["used_blocks"], a["cached_blocks"], a["free_blocks"]]])
+    typer.echo(f"pages in use back to 0: {'yes' if f['pages_back_to_baseline'] else 'NO'}; RSS growth "
+               f"{f['rss_growth']:+.1%} (tolerance {f['rss_tolerance']:.0%}): "
+               f"{'within' if f['rss_within_tolerance'] else 'OVER'}")
+    write_json(json_path, f)
+    if not (f["pages_back_to_baseline"] and f["rss_within_tolerance"]) or f["errors_5xx"]:
+        raise typer.Exit(1)
+
+
 @bench_app.command("reuse")
 def bench_reuse(
     turns: Annotated[int, typer.Option(help="Multi-turn: chat turns over one document.")] = 8,
