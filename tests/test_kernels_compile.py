@@ -115,3 +115,11 @@ def test_backend_imports_without_loading_cupy():
 def test_kernels_unavailable_without_a_gpu():
     if not torch.cuda.is_available():
         assert not cuda_backend.cuda_kernels_available()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU the bench runs (tests/test_kernels_gpu.py)")
+def test_bench_kernels_without_a_gpu_says_why_in_one_line():
+    done = subprocess.run([sys.executable, "-m", "kvtierd.cli.main", "bench", "kernels"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip().startswith("error: kernel benchmarks need a CUDA GPU")

@@ -237,3 +237,12 @@ def test_compile_error_names_the_kernel(monkeypatch):
     monkeypatch.setattr(cuda, "_kernels", {})
     with pytest.raises(cuda.KernelCompileError, match=r"kvtierd_broken[\s\S]*undefined_name"):
         cuda._kernel("kvtierd_broken", torch.cuda.current_device())
+
+
+def test_the_kernel_bench_runs_and_checks_before_timing():
+    from kvtierd.bench.kernels import run_kernel_bench
+
+    figures = run_kernel_bench((1, 4), (256, 2048), prefill_shapes=((256, 64),), iters=2, warmup=1,
+                               print_fn=lambda _: None)
+    assert figures["copy_gbps"] > 0 and len(figures["decode"]) == 4 and len(figures["prefill"]) == 1
+    assert all(r["kernel_gbps"] > 0 and r["max_abs_error"] < 1e-2 for r in figures["decode"])

@@ -127,6 +127,43 @@ def bench_serve(
     write_json(json_path, figures)
 
 
+@bench_app.command("kernels")
+def bench_kernels(
+    dtype: Annotated[str, typer.Option(help="float16 or bfloat16.")] = "float16",
+    batches: Annotated[str, typer.Option(help="Decode batch sizes.")] = "1,8,32",
+    contexts: Annotated[str, typer.Option(help="Decode context lengths.")] = "512,4096,16384",
+    head_dim: Annotated[int, typer.Option()] = 128,
+    block_size: Annotated[int, typer.Option()] = 16,
+    json_path: JsonOpt = None,
+) -> None:
+    """CUDA paged attention vs the torch reference (gather + SDPA), beside the device's copy bandwidth (GPU only)."""
+    import torch
+
+    from kvtierd.bench.kernels import run_kernel_bench
+
+    if dtype not in ("float16", "bfloat16"):
+        raise typer.BadParameter("--dtype is float16 or bfloat16")
+    try:
+        figures = run_kernel_bench(_ints(batches), _ints(contexts), head_dim=head_dim, block_size=block_size,
+                                   dtype=getattr(torch, dtype), print_fn=typer.echo)
+    except RuntimeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    m = machine()
+    typer.echo(f"machine: {m['cpu']}, {figures['device']}, torch {m['torch']}, {m['date']}")
+    print_table(
+        f"decode attention ({figures['dtype']}; copy bandwidth {figures['copy_gbps']:.0f} GB/s)",
+        ["ctx", "batch", "split", "kernel ms", "GB/s", "of copy", "reference ms", "speedup"],
+        [[r["context_len"], r["batch_size"], r["num_partitions"], r["kernel_ms"], r["kernel_gbps"],
+          f"{r['share_of_copy_bandwidth']:.0%}", r["reference_ms"], r["speedup"]] for r in figures["decode"]],
+    )
+    print_table("prefill attention (one sequence, causal)", ["ctx", "new tokens", "kernel ms", "reference ms", "speedup"],
+                [[r["context_len"], r["query_len"], r["kernel_ms"], r["reference_ms"], r["speedup"]]
+                 for r in figures["prefill"]])
+    typer.echo("target on H100/H200: decode at long contexts >= 60% of copy bandwidth and faster than the reference")
+    write_json(json_path, {"machine": m, **figures})
+
+
 @bench_app.command("soak")
 def bench_soak(
     socket: Annotated[Optional[Path], typer.Option(help="Soak the daemon on this socket; default: start one.")] = None,
