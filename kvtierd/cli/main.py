@@ -68,6 +68,7 @@ def serve(
 
     from kvtierd.model.errors import ModelLoadError
     from kvtierd.server.daemon import serve as run_daemon
+    from kvtierd.server.log_filters import quiet_client_errors
     from kvtierd.server.settings import SettingsError, load_settings
     from kvtierd.server.unix_socket import SocketBindError
     from kvtierd.storage.store_errors import SessionStoreError
@@ -78,6 +79,7 @@ def serve(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    quiet_client_errors()
     try:
         asyncio.run(run_daemon(settings))
     except (ModelLoadError, SocketBindError, SessionStoreError, OSError) as e:
