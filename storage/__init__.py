@@ -1,1 +1,2 @@
-"""Where KV bytes live: the device pool, the host slab and the LMDB disk store, plus the SQL session store."""
+"""Where KV bytes live: the device pool, the host slab, the LMDB disk store and the Redis store,
+plus the SQL session store."""

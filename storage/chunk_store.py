@@ -1,4 +1,4 @@
-"""The one batched interface of the lower KV tiers (host slab, LMDB disk).
+"""The one batched interface of the lower KV tiers (host slab, LMDB disk, Redis).
 
 Keys are chunk keys (the chained hash of a chunk's last page); values are opaque
 bytes to the store. Every call is synchronous: the tier manager calls stores from
@@ -30,6 +30,7 @@ class StoreStats:
     healthy: bool
     reason: str | None = None  # why the store is not healthy
     pinned: bool = False  # host slab only: page-locked memory, so device copies can be asynchronous DMA
+    num_failures: int = 0  # remote tier only: calls answered as a miss because the server failed or was cut off
 
 
 class ChunkStore(Protocol):
