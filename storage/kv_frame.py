@@ -109,6 +109,14 @@ def encode_frame(identity: ChunkIdentity, payload: Buffer, *, codec: str = "zstd
     ))  # fmt: skip
 
 
+def frame_nbytes(identity: ChunkIdentity, codec: str, encoded_nbytes: int) -> int:
+    """The size of `identity`'s frame whose payload encodes to `encoded_nbytes` (for `raw`: payload_nbytes).
+    The host tier sizes its slots with it."""
+    return (_HEADER.size + _U8.size + len(_dtype_name(identity.geometry)) + _U16.size + len(identity.namespace)
+            + _U8.size + len(codec) + identity.num_pages * len(identity.block_hashes[0])
+            + len(identity.token_ids) * _TOKEN_BYTES + _U64.size + encoded_nbytes)
+
+
 def decode_frame(data: Buffer, expected: FrameExpectation) -> DecodedChunk:
     """Checks the frame against `expected` and decodes its payload. Raises CorruptValueError naming the check."""
     view = memoryview(data)

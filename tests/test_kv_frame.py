@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kvtierd.storage.codecs import CODEC_NAMES
 from kvtierd.storage.geometry import KVGeometry
-from kvtierd.storage.kv_frame import ChunkIdentity, FrameExpectation, decode_frame, encode_frame
+from kvtierd.storage.kv_frame import ChunkIdentity, FrameExpectation, decode_frame, encode_frame, frame_nbytes
 from kvtierd.storage.store_errors import CorruptValueError
 
 
@@ -109,6 +109,14 @@ def test_a_torn_frame_is_detected_at_every_length(codec: str) -> None:
     for length in range(len(frame)):
         assert corrupt_check(frame[:length], identity) in {"truncated", "checksum", "payload"}
     assert corrupt_check(frame + b"\0", identity) == "truncated"
+
+
+@pytest.mark.parametrize("codec", CODEC_NAMES)
+def test_frame_nbytes_is_the_encoded_size(codec: str) -> None:
+    identity = make_identity(pages=3)
+    payload = make_payload(identity)
+    frame = encode_frame(identity, payload, codec=codec)
+    assert frame_nbytes(identity, codec, decode_frame(frame, identity).encoded_nbytes) == len(frame)
 
 
 def test_not_a_frame() -> None:

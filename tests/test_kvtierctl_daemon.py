@@ -29,8 +29,10 @@ def test_status_tiers_stats_and_prefixes_reflect_the_daemon(daemon):
     assert status["model"]["num_layers"] == 30 and status["engine"]["block_size"] == 16
     assert status["socket"] == str(daemon.socket)
     assert status["engine"]["attention_backend"] == "torch-reference"  # no GPU here: the reference path
-    (device,) = ctl_json(daemon, "tiers")["tiers"]
+    device, host, disk = ctl_json(daemon, "tiers")["tiers"]
     assert device["name"] == "device" and device["query_tokens"] > 0
+    assert (host["name"], disk["name"]) == ("host", "disk") and host["healthy"] and disk["healthy"]
+    assert disk["capacity_bytes"] > 0 and host["pinned"] is False  # no GPU here
     assert device["eviction_policy"] == "lru" and set(device["evictions"]) == {"capacity", "expired", "invalidated"}
     assert ctl_json(daemon, "stats")["requests"] >= 1
     prefixes = ctl_json(daemon, "prefixes", "ls", "--limit", "5")["prefixes"]

@@ -49,6 +49,12 @@ SAMPLES: dict[str, tuple[tuple[Any, Any], tuple[str, Any], tuple[Any, Any]]] = {
     "max_num_seqs": ((8, 8), ("16", 16), (4, 4)),
     "max_model_len": ((2048, 2048), ("4096", 4096), (1024, 1024)),
     "default_max_tokens": ((64, 64), ("128", 128), (16, 16)),
+    "host_bytes": (("512MiB", 512 << 20), ("0", 0), (1 << 30, 1 << 30)),
+    "disk_bytes": (("64GiB", 64 << 30), ("0", 0), ("1TiB", 1 << 40)),
+    "chunk_pages": ((8, 8), ("32", 32), (1, 1)),
+    "disk_codec": (("raw", "raw"), ("zstd", "zstd"), ("zstd-planes", "zstd-planes")),
+    "disk_admission": (("all", "all"), ("reused", "reused"), ("ALL", "all")),
+    "flush_on_shutdown": ((False, False), ("yes", True), ("off", False)),
     "store_url": (("sqlite:////tmp/a.db", "sqlite:////tmp/a.db"), ("sqlite:////tmp/b.db", "sqlite:////tmp/b.db"),
                   ("postgresql+psycopg://kv@/kvtierd", "postgresql+psycopg://kv@/kvtierd")),
 }
@@ -96,6 +102,8 @@ def test_defaults():
     assert (s.block_size, s.kv_cache_bytes) == (16, 1 << 30)
     assert (s.eviction_policy, s.prefix_ttl_s) == ("lru", 0.0)
     assert (s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.default_max_tokens) == (2048, 64, 0, 512)
+    assert (s.host_bytes, s.disk_bytes, s.chunk_pages) == (2 << 30, 16 << 30, 16)
+    assert (s.disk_codec, s.disk_admission, s.flush_on_shutdown) == ("zstd-planes", "reused", True)
     assert s.store_url == f"sqlite:///{s.state_dir}/kvtierd.sqlite3"
 
 
@@ -155,6 +163,11 @@ BAD_VALUES = [
     ("truncation_keep_turns", "0"),
     ("session_idle_ttl_s", "-1"),
     ("prefix_ttl_s", "nan"),
+    ("host_bytes", "lots"),
+    ("chunk_pages", "0"),
+    ("disk_codec", "lz4"),
+    ("disk_admission", "never"),
+    ("flush_on_shutdown", "maybe"),
 ]
 
 

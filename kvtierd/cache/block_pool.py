@@ -21,6 +21,14 @@ Every page has a generation, bumped whenever its contents may change (it is
 allocated, written in place, or unindexed): a session pool keeps pages it does
 not hold by (page, generation) and uses them only while that still matches.
 
+With lower tiers (`chunk_pages` > 0), a capacity eviction takes the evicted
+page's whole chunk (the pages from the last multiple of `chunk_pages` in its
+chain up to it; `tiers/chunk.py`): the chunk is logged in `evicted`, and its
+other idle pages go too, so a chain is saved below once per chunk rather than
+once per page as its tail shrinks. The pages keep their KV until someone
+writes into them: the cache manager saves the log below before that
+(`KVCacheManager.demote_evicted`).
+
 Running out of pages is a normal outcome (`allocate` returns None and the
 caller waits or preempts); a broken count is a bug and asserts.
 """
@@ -49,6 +57,18 @@ class CachedPage:
     depth: int  # position in its chain: 0 for the first page
     parent_hash: BlockHash | None  # the previous page's hash; None at depth 0
     cached_at: float
+
+
+@dataclass(slots=True, frozen=True)
+class EvictedChunk:
+    """Pages evicted for capacity, as the chunk the lower tiers store; their KV is intact until rewritten."""
+
+    root: BlockHash
+    first_depth: int  # a multiple of chunk_pages
+    block_ids: tuple[int, ...]  # some may still be indexed (held by others, or shared by another chain)
+    block_hashes: tuple[BlockHash, ...]
+    token_ids: tuple[int, ...]
+    hits: int  # the most any of its pages was hit
 
 
 class BlockPool:
@@ -88,6 +108,8 @@ class BlockPool:
         self.last_access: dict[int, float] = {}
         self.num_token_mismatches = 0
         self.evictions = EvictionCounts()
+        self.chunk_pages = 0  # > 0 when lower tiers take evicted chunks
+        self.evicted: list[EvictedChunk] = []  # capacity evictions not yet saved below
 
     @property
     def eviction_policy(self) -> str:
@@ -129,7 +151,7 @@ class BlockPool:
             else:
                 b = self._policy.pop()
                 del self._idle_cached[b]
-                self.evictions.capacity += self._unindex_tree(b)
+                self.evictions.capacity += self._evict_for_capacity(b)
             assert self._ref_counts[b] == 0, f"free page {b} still referenced"
             self._ref_counts[b] = 1
             self.generation[b] += 1
@@ -341,6 +363,37 @@ class BlockPool:
             chain.append(self._by_hash[parent])  # an indexed page's parent is indexed
             parent = self._cached[chain[-1]].parent_hash
         return chain[::-1]
+
+    def _evict_for_capacity(self, block_id: int) -> int:
+        """Unindexes a page popped from the policy (and, with lower tiers, the idle rest of its chunk)."""
+        if not self.chunk_pages:
+            return self._unindex_tree(block_id)
+        chunk = self._chunk_ending_at(block_id)
+        n = self._unindex_tree(block_id)
+        if chunk is None:
+            return n
+        self.evicted.append(chunk)
+        for b in reversed(chunk.block_ids[:-1]):  # tail first, while nothing else needs them
+            page = self._cached.get(b)
+            if page is None or b not in self._idle_cached or page.block_hash in self._children:
+                break
+            n += self._unindex_tree(b)
+        return n
+
+    def _chunk_ending_at(self, block_id: int) -> EvictedChunk | None:
+        """The chunk whose last page is `block_id`; None if it spans two namespaces (a public prefix and a
+        tenant's pages after it: not stored below in this version)."""
+        page = self._cached[block_id]
+        pages = [(block_id, page)]
+        while page.depth % self.chunk_pages:
+            b = self._by_hash[page.parent_hash]  # an indexed page's parent is indexed
+            page = self._cached[b]
+            pages.append((b, page))
+        pages.reverse()
+        if any(p.root != page.root for _, p in pages):
+            return None
+        return EvictedChunk(page.root, page.depth, tuple(b for b, _ in pages), tuple(p.block_hash for _, p in pages),
+                            tuple(t for _, p in pages for t in p.tokens), max(self.hits.get(b, 0) for b, _ in pages))
 
     def _unindex_tree(self, block_id: int) -> int:
         """Unindexes a page and every indexed page chained after it; idle ones go

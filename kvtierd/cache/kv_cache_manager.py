@@ -15,6 +15,15 @@ writes. Full pages are indexed as soon as their tokens are computed
 (`commit`), so requests running at the same time already share them. Which
 idle cached page goes first when pages run out is the pool's eviction policy.
 
+With lower tiers (`kvtierd/tiers`), the tenant's index hit is extended by the
+chunks stored in the host or disk tier that continue it: `find_prefix` plans
+them, `adopt_prefix` loads them into fresh pages, indexes those and reports
+the tokens by tier. Pages evicted for capacity are saved below by
+`demote_evicted` before anything writes into them; a session's finished turn
+is written through to disk (`write_through`), and `flush_below` writes what
+should outlive a restart. An invalidation reaches the lower tiers too: a
+session's by its pages' keys, any other by a new tier epoch (all of it).
+
 Public prefixes live in their own namespace, which every tenant's lookup also
 tries. A tenant's pages after a public prefix chain from the public page's
 hash rebased onto the tenant's root (`block_hash.rebase`), so only the public
@@ -26,12 +35,14 @@ from __future__ import annotations
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import BlockHash, hash_full_blocks, rebase
 from kvtierd.cache.block_pool import BlockPool
 from kvtierd.cache.page_table import PageTable
 from kvtierd.cache.session_pool import SessionChain, SessionKey, SessionPools
+from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, FoundChunk, spans_of
+from kvtierd.tiers.tier_manager import TierManager
 
 
 @dataclass(slots=True)
@@ -63,6 +74,8 @@ class PrefixHit:
     source: str = "none"  # "session", "prefix" (the tenant's index) or "public"
     public_blocks: int = 0  # leading pages from the public namespace
     own_from: int = 0  # for a session: its first page not adopted from the prefix index
+    below: list[FoundChunk] = field(default_factory=list)  # planned: chunks to load after block_ids (in num_tokens)
+    tokens_by_tier: dict[str, int] = field(default_factory=dict)  # adopted: tokens loaded from "host" / "disk"
 
 
 NO_HIT = PrefixHit([], [], 0)
@@ -80,11 +93,15 @@ class KVCacheManager:
         prefix_min_hits_per_hour: float = 0.0,
         session_idle_ttl_s: float = 0.0,
         public_root: BlockHash | None = None,
+        tiers: TierManager | None = None,
     ) -> None:
         self.block_size = block_size
         self.hash_algorithm = hash_algorithm
         self.public_root = public_root  # the namespace every tenant may hit; None: no public prefixes
         self.pool = BlockPool(num_blocks, eviction_policy, prefix_ttl_s, clock, prefix_min_hits_per_hour)
+        self.tiers = tiers  # host and disk below the device; None: the device only
+        if tiers is not None:
+            self.pool.chunk_pages = tiers.chunk_pages
         self.sessions = SessionPools(session_idle_ttl_s, clock)
         self._tables: dict[str, PageTable] = {}
 
@@ -152,9 +169,19 @@ class KVCacheManager:
         return blocks, hashes[: len(blocks)]
 
     def _index_hit(self, root: BlockHash, token_ids: Sequence[int]) -> PrefixHit:
-        blocks, hashes = self._lookup(root, token_ids[: len(token_ids) - 1])
-        return PrefixHit(blocks, hashes, len(blocks) * self.block_size, "prefix" if blocks else "none",
-                         own_from=len(blocks))
+        usable = token_ids[: len(token_ids) - 1]
+        if self.tiers is None:
+            blocks, hashes = self._lookup(root, usable)
+            return PrefixHit(blocks, hashes, len(blocks) * self.block_size, "prefix" if blocks else "none",
+                             own_from=len(blocks))
+        bs = self.block_size
+        n = len(usable) // bs
+        hashes = hash_full_blocks(root, usable[: n * bs], bs, algorithm=self.hash_algorithm)
+        blocks = self.pool.lookup(hashes, [usable[i * bs : (i + 1) * bs] for i in range(n)])
+        below = self.tiers.lookup(root, hashes, usable, len(blocks))
+        end = below[-1].span.first_page + below[-1].span.num_pages if below else len(blocks)
+        return PrefixHit(blocks, hashes[: len(blocks)], end * bs, "prefix" if end else "none", own_from=len(blocks),
+                         below=below)
 
     def _public_hit(self, root: BlockHash, token_ids: Sequence[int]) -> PrefixHit:
         usable = token_ids[: len(token_ids) - 1]
@@ -185,14 +212,100 @@ class KVCacheManager:
         return PrefixHit(chain.block_ids[: -(-n // bs)], chain.block_hashes[:full], n, "session",
                          min(chain.public_blocks, full), min(chain.own_from, full))
 
-    def adopt_prefix(self, seq_id: str, hit: PrefixHit, tag: str | None = None) -> None:
-        """Starts `seq_id`'s page table with the hit's pages (shared, read-only)."""
+    def adopt_prefix(self, seq_id: str, hit: PrefixHit, tag: str | None = None) -> PrefixHit:
+        """Starts `seq_id`'s page table with the hit's pages (shared, read-only), after loading its
+        chunks from the lower tiers into fresh pages. Returns what was adopted: less than planned when
+        a chunk finds no free pages or is gone from its tier (the rest is computed instead)."""
         assert seq_id not in self._tables, f"sequence {seq_id} already has pages"
         self.pool.touch(hit.block_ids)
+        if hit.below:
+            hit = self._promote(hit)
         if tag is not None:
             self.pool.tag(hit.block_ids, tag)
         self._tables[seq_id] = PageTable(self.block_size, list(hit.block_ids), hit.num_tokens,
                                          list(hit.block_hashes), hit.public_blocks, hit.own_from)
+        return hit
+
+    def _promote(self, hit: PrefixHit) -> PrefixHit:
+        """Loads a planned hit's chunks after its device pages, each into fresh pages it indexes."""
+        assert self.tiers is not None
+        block_ids, hashes = list(hit.block_ids), list(hit.block_hashes)
+        by_tier: dict[str, int] = {}
+        for found in hit.below:
+            span = found.span
+            skip = len(block_ids) - span.first_page  # pages of it the device had (the first chunk only)
+            fresh = self.pool.allocate(span.num_pages - skip)
+            if fresh is None:
+                break
+            self.demote_evicted()  # the allocation may have evicted pages: save them before they are overwritten
+            if not self.tiers.load(found, skip, fresh):
+                self.pool.release(fresh)
+                break
+            for i, b in enumerate(fresh, start=skip):
+                depth = span.first_page + i
+                self.pool.cache(b, span.block_hashes[i], span.page_tokens(i), span.namespace, depth,
+                                hashes[-1] if depth else None)
+                if self.pool.page_info(b) is not None:  # asked for again: reused, for eviction and disk admission
+                    self.pool.hits[b] = 1
+                hashes.append(span.block_hashes[i])
+            block_ids += fresh
+            by_tier[found.tier] = by_tier.get(found.tier, 0) + len(fresh) * self.block_size
+        # Loaded pages count as this sequence's own: a session that brought them back may drop them.
+        return PrefixHit(block_ids, hashes, len(block_ids) * self.block_size, "prefix" if block_ids else "none",
+                         own_from=len(hit.block_ids), tokens_by_tier=by_tier)
+
+    # -- saving below the device ----------------------------------------------------------------
+
+    def demote_evicted(self) -> None:
+        """Saves below the chunks of pages evicted for capacity since the last call. Call before anything
+        writes into a reused page (the engine: before each forward)."""
+        evicted, self.pool.evicted = self.pool.evicted, []
+        if evicted and self.tiers is not None:
+            self.tiers.demote([ChunkCopy(ChunkSpan(c.root, c.first_depth, c.block_hashes, c.token_ids), c.block_ids,
+                                         c.hits) for c in evicted])
+
+    def write_through(self, seq_id: str, root: BlockHash, token_ids: Sequence[int]) -> None:
+        """Writes the computed full pages of `seq_id` (a session's finished turn) to the disk tier, so the
+        session outlives a restart or a crash. Chunks already there are skipped."""
+        if self.tiers is None or not self.tiers.has_disk:
+            return
+        table = self._tables[seq_id]
+        if table.public_blocks:
+            return  # its chain starts in the public namespace: not stored below in this version
+        self.tiers.write_through(self._copies(root, table.block_hashes, token_ids, table.block_ids))
+
+    def flush_below(self) -> bool:
+        """Queues for the disk tier what should outlive a restart: the sessions' resident pages and the
+        prefixes hit at least once (before a graceful shutdown). False when the writer's queue filled up
+        first: `tiers.wait()` (off the event loop), then call again; what is queued or stored is skipped."""
+        if self.tiers is None or not self.tiers.has_disk:
+            return True
+        copies: list[ChunkCopy] = []
+        for (root, _), chain in self.sessions:
+            if chain.public_blocks:
+                continue
+            resident = 0
+            while resident < len(chain.block_hashes) and \
+                    self.pool.generation[chain.block_ids[resident]] == chain.generations[resident]:
+                resident += 1
+            copies += self._copies(root, chain.block_hashes[:resident], chain.token_ids, chain.block_ids)
+        hit = {b: page for b, page in self.pool.cached_blocks() if self.pool.hits.get(b, 0)}
+        continued = {page.parent_hash for page in hit.values()}
+        for b, page in hit.items():
+            if page.block_hash in continued:
+                continue  # a longer hit prefix holds it
+            chain = self.pool.chain_to(b)
+            pages = [self.pool.page_info(c) for c in chain]
+            if all(p.root == page.root for p in pages):
+                copies += self._copies(page.root, [p.block_hash for p in pages], [t for p in pages for t in p.tokens],
+                                       chain)
+        return self.tiers.write_through(copies, wait_for_room=True)
+
+    def _copies(self, root: BlockHash, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
+                block_ids: Sequence[int]) -> list[ChunkCopy]:
+        assert self.tiers is not None
+        spans = spans_of(root, block_hashes, token_ids, self.block_size, self.tiers.chunk_pages)
+        return [ChunkCopy(s, tuple(block_ids[s.first_page : s.first_page + s.num_pages])) for s in spans]
 
     def commit(self, seq_id: str, root: BlockHash, token_ids: Sequence[int], num_computed: int,
                tag: str | None = None) -> None:
@@ -251,7 +364,11 @@ class KVCacheManager:
         """Forgets a session's pool and unindexes the pages it computed itself (not
         those it adopted from the prefix index) and what was chained after them; returns how many."""
         chain = self.sessions.forget(key)
-        return 0 if chain is None else self._drop_chain(chain)
+        if chain is None:
+            return 0
+        if self.tiers is not None:
+            self.tiers.forget(chain.block_hashes[chain.own_from :])
+        return self._drop_chain(chain)
 
     def expire_sessions(self, now: float | None = None) -> int:
         """Drops the KV of sessions idle past their TTL; returns the pages unindexed."""
@@ -275,12 +392,14 @@ class KVCacheManager:
         blocks, _ = self._lookup(root, token_ids)
         n = self.pool.unindex_from(blocks[-1]) if blocks else 0
         self.pool.evictions.invalidated += n
+        self._invalidate_below()
         return n
 
     def invalidate_hash(self, block_hash: BlockHash) -> int:
         b = self.pool.block_of(block_hash)
         n = self.pool.unindex_from(b) if b is not None else 0
         self.pool.evictions.invalidated += n
+        self._invalidate_below()
         return n
 
     def invalidate_session(self, key: SessionKey) -> int:
@@ -293,14 +412,22 @@ class KVCacheManager:
 
         Sequences holding some keep reading them; those pages are freed uncached."""
         self.sessions.forget_namespace(root)
+        self._invalidate_below()
         return self.pool.invalidate_namespace(root)
 
     def invalidate_tag(self, tag: str) -> int:
+        self._invalidate_below()
         return self.pool.invalidate_tag(tag)
 
     def invalidate_all(self) -> int:
         self.sessions.forget_all()
+        self._invalidate_below()
         return self.pool.invalidate_all()
+
+    def _invalidate_below(self) -> None:
+        # The lower tiers know no namespaces or tags: all they hold goes (a session's chunks go by key).
+        if self.tiers is not None:
+            self.tiers.invalidate_all()
 
     def expire(self, now: float | None = None) -> int:
         """Evicts a bounded number of expired idle cached pages and idle sessions' KV; call between steps."""

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from kvtierd.cache.block_hash import HASH_FUNCTIONS
 from kvtierd.cache.eviction import EVICTION_POLICIES
+from kvtierd.tiers.config import TierConfig
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
 
@@ -23,6 +24,7 @@ class EngineConfig:
     prefix_min_hits_per_hour: float = 0.0  # ... or when its hit rate stays below this after an hour (0: off)
     session_idle_ttl_s: float = 0.0  # a session's context pool goes after this long idle (0: never)
     hash_algorithm: str = "md5"  # chained block hashes: md5, sha256 or xxh3-128 (cache/block_hash.py)
+    tiers: TierConfig | None = None  # host and disk tiers below the device (None: the device only)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

@@ -27,6 +27,7 @@ from kvtierd.model.detokenizer import IncrementalDetokenizer
 from kvtierd.model.loader import LoadedModel
 from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.geometry import KVGeometry
+from kvtierd.tiers.tier_manager import TierManager, TierStats
 
 
 @dataclass(slots=True)
@@ -34,6 +35,8 @@ class EngineCounters:
     requests: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    host_tokens: int = 0  # of those, loaded from the host tier
+    disk_tokens: int = 0  # ... and from the disk tier
     generated_tokens: int = 0
     preemptions: int = 0
 
@@ -60,11 +63,12 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.pool = DeviceKVPool(self.geometry, num_blocks, loaded.model.device)
         self.namespaces: dict[bytes, str] = {}  # cache root -> tenant, for reports
+        self.tiers = TierManager(config.tiers, self.pool) if config.tiers is not None else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.eviction_policy, config.prefix_ttl_s,
                                  hash_algorithm=config.hash_algorithm,
                                  prefix_min_hits_per_hour=config.prefix_min_hits_per_hour,
                                  session_idle_ttl_s=config.session_idle_ttl_s,
-                                 public_root=self._root(PUBLIC_NAMESPACE))
+                                 public_root=self._root(PUBLIC_NAMESPACE), tiers=self.tiers)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_prefix_caching)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
@@ -178,6 +182,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         self.kv.expire()  # bounded; a lookup also refuses an expired page by itself
         plan = self.scheduler.schedule()
+        # Pages evicted while scheduling still hold their KV: saved below now, before the forward reuses them.
+        self.kv.demote_evicted()
         if plan.empty:
             return []
         t1 = time.perf_counter()
@@ -212,6 +218,8 @@ class LLMEngine:
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
             self.counters.cached_tokens += req.num_cached_tokens
+            self.counters.host_tokens += req.tokens_from_below.get("host", 0)
+            self.counters.disk_tokens += req.tokens_from_below.get("disk", 0)
         p = req.params
         text = req.detokenizer.push(token)
         if req.detokenizer.stopped or token in p.stop_token_ids:
@@ -223,6 +231,9 @@ class LLMEngine:
         if req.finished:
             text += req.detokenizer.flush()
             self._keep_session(req)
+            if req.session_id is not None and self.config.enable_prefix_caching:
+                # The turn outlives a restart or a crash: copied out now, written by the disk tier's thread.
+                self.kv.write_through(req.request_id, req.cache_root, req.token_ids)
             del self.requests[req.request_id]
             self.scheduler.remove(req)
         return RequestOutput(
@@ -235,9 +246,25 @@ class LLMEngine:
             num_prompt_tokens=req.num_prompt_tokens,
             num_output_tokens=req.num_output_tokens,
             num_cached_tokens=req.num_cached_tokens,
+            cached_tokens_by_tier=_by_tier(req),
             cache_source=req.cache_source,
             queue_s=(req.first_scheduled_time or req.arrival_time) - req.arrival_time,
         )
+
+    # -- lower tiers ----------------------------------------------------------------
+
+    def flush_tiers(self) -> bool:
+        """Queues the KV worth keeping across a restart (sessions, prefixes hit at least once) for the disk
+        tier. False when the queue filled first: `tiers.wait()` (off the event loop), then call again."""
+        return self.kv.flush_below()
+
+    def tier_stats(self) -> list[TierStats]:
+        return self.tiers.stats() if self.tiers is not None else []
+
+    def close(self) -> None:
+        """Commits queued disk writes and closes the lower tiers."""
+        if self.tiers is not None:
+            self.tiers.close()
 
     # -- convenience ------------------------------------------------------------
 
@@ -249,3 +276,8 @@ class LLMEngine:
             for o in self.step():
                 out[o.request_id].extend(o.token_ids)
         return [out[i] for i in ids]
+
+
+def _by_tier(req: Request) -> dict[str, int]:
+    host, disk = req.tokens_from_below.get("host", 0), req.tokens_from_below.get("disk", 0)
+    return {"device": max(req.num_cached_tokens, 0) - host - disk, "host": host, "disk": disk}

@@ -38,6 +38,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the cache, not recomputed
+    cached_tokens_by_tier: dict[str, int]  # num_cached_tokens by the tier they came from: device, host, disk
     cache_source: str  # "session" (its context pool), "prefix" (the tenant's index), "public" or "none"
     queue_s: float  # from arrival to first being scheduled
 
@@ -61,6 +62,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found cached at first admission; -1 before it
     cache_source: str = "none"  # where they came from: "session", "prefix", "public" or "none"
+    tokens_from_below: dict[str, int] = field(default_factory=dict)  # of them, loaded from "host" / "disk"
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None

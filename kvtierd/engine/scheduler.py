@@ -138,11 +138,12 @@ class Scheduler:
     def _adopt_cached_prefix(self, req: Request) -> None:
         hit = self.kv.find_prefix(req.cache_root, req.token_ids, req.session_id) if self.enable_prefix_caching \
             else NO_HIT
-        self.kv.adopt_prefix(req.request_id, hit, req.tag)
+        hit = self.kv.adopt_prefix(req.request_id, hit, req.tag)  # loads what the lower tiers hold
         req.num_computed_tokens = hit.num_tokens
         if req.num_cached_tokens < 0:  # what the client is told: the first admission's hit
             req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
             req.cache_source = hit.source
+            req.tokens_from_below = hit.tokens_by_tier
             req.first_scheduled_time = time.monotonic()
 
     def _add_to_plan(self, plan: StepPlan, s: ScheduledRequest) -> None:

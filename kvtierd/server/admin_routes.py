@@ -11,6 +11,7 @@ from kvtierd import __version__
 from kvtierd.server.errors import ApiError
 from kvtierd.server.session_routes import query_limit, drop_session_kv, message_json, session_json
 from kvtierd.server.state import STATE, DaemonState
+from kvtierd.tiers.tier_manager import TierStats
 
 routes = web.RouteTableDef()
 
@@ -56,6 +57,7 @@ async def tiers(request: web.Request) -> web.Response:
     c = eng.counters
     page_bytes = eng.geometry.bytes_per_block
     idle_cached = len(pool.idle_cached_blocks())
+    device_hits = c.cached_tokens - c.host_tokens - c.disk_tokens
     return web.json_response({"tiers": [{
         "name": "device",
         "capacity_bytes": pool.num_blocks * page_bytes,
@@ -65,11 +67,25 @@ async def tiers(request: web.Request) -> web.Response:
         "pages_cached": idle_cached,
         "pages_free": pool.num_free_blocks - idle_cached,
         "query_tokens": c.prompt_tokens,
-        "hit_tokens": c.cached_tokens,
-        "hit_rate": c.cached_tokens / c.prompt_tokens if c.prompt_tokens else 0.0,
+        "hit_tokens": device_hits,
+        "hit_rate": device_hits / c.prompt_tokens if c.prompt_tokens else 0.0,
         "eviction_policy": eng.config.eviction_policy,
         "evictions": asdict(pool.evictions),
-    }]})
+        "enabled": True,
+        "healthy": True,
+    }] + [lower_tier_json(t, c.prompt_tokens, eng.tiers.chunk_pages) for t in eng.tier_stats()]})
+
+
+def lower_tier_json(t: TierStats, query_tokens: int, chunk_pages: int) -> dict:
+    """A host or disk tier: entries are chunks of up to chunk_pages pages; hits are chunks loaded back."""
+    return {
+        "name": t.name, "enabled": t.enabled, "healthy": t.healthy, "reason": t.reason,
+        "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "entries": t.entries,
+        "chunk_pages": chunk_pages, "query_tokens": query_tokens, "hits": t.hits, "hit_tokens": t.hit_tokens,
+        "hit_rate": t.hit_tokens / query_tokens if query_tokens else 0.0,
+        "writes": t.writes, "pending_writes": t.pending_writes, "dropped_writes": t.dropped_writes,
+        "evictions": {"capacity": t.evictions}, "corrupt": t.corrupt, "pinned": t.pinned,
+    }
 
 
 @routes.get("/admin/stats")

@@ -1,10 +1,21 @@
-"""`kvtierd serve`: load the model, open the store, bind the socket, serve, drain on SIGTERM."""
+"""`kvtierd serve`: load the model, open the store, bind the socket, serve, drain on SIGTERM.
+
+Under systemd (Type=notify, sd_notify.py) it says how it is doing: EXTEND_TIMEOUT_USEC
+while the model loads, READY=1 once the socket serves, STATUS= lines and WATCHDOG=1
+pings while the engine answers, STOPPING=1 when the drain starts, EXTEND_TIMEOUT_USEC
+again while the KV tiers flush. Socket-activated
+(socket_activation.py), it serves on the socket systemd passed instead of binding one.
+Outside systemd all of this is a no-op.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 
 import torch
 from aiohttp import web
@@ -14,12 +25,19 @@ from kvtierd.engine.config import EngineConfig
 from kvtierd.engine.llm_engine import LLMEngine
 from kvtierd.model.loader import load_model
 from kvtierd.server.app import make_app
+from kvtierd.server.sd_notify import notify, watchdog_period
 from kvtierd.server.settings import Settings
+from kvtierd.server.socket_activation import take_listen_socket
 from kvtierd.server.state import DaemonState
 from kvtierd.server.unix_socket import bind_unix_socket, check_socket_path
 from kvtierd.storage.session_store import SessionStore
+from kvtierd.tiers.config import TierConfig
 
 log = logging.getLogger("kvtierd")
+
+EXTENSION_S = 30.0  # what each EXTEND_TIMEOUT_USEC buys during a long step; sent three times as often
+STATUS_PERIOD_S = 10.0  # how often STATUS= is refreshed when no watchdog asks for more
+STOP_MARGIN_S = 15.0  # shutdown time past the drain: closing the engine and the store
 
 
 def resolve_device(device: str) -> str:
@@ -37,23 +55,109 @@ def build_state(settings: Settings) -> DaemonState:
         max_model_len=settings.max_model_len or None,
         eviction_policy=settings.eviction_policy, prefix_ttl_s=settings.prefix_ttl_s,
         prefix_min_hits_per_hour=settings.prefix_min_hits_per_hour, session_idle_ttl_s=settings.session_idle_ttl_s,
-        hash_algorithm=settings.hash_algorithm,
+        hash_algorithm=settings.hash_algorithm, tiers=tier_config(settings),
     ))
     log.info("model %s loaded (%s, %d layers, fingerprint %s); KV pool %d pages of %d tokens",
              loaded.name, loaded.model.device, loaded.config.num_layers, loaded.fingerprint,
              engine.kv.pool.num_blocks, settings.block_size)
+    for tier in engine.tier_stats():
+        log.info("%s KV tier: %s", tier.name, f"{tier.capacity_bytes} bytes" if tier.enabled else tier.reason)
     return DaemonState(settings=settings, loaded=loaded, engine=AsyncEngine(engine), store=SessionStore(settings.store_url))
 
 
+def tier_config(settings: Settings) -> TierConfig | None:
+    """The host and disk tiers; the disk store lives in <state_dir>/kv (a directory we make, or it is off)."""
+    if not (settings.host_bytes or settings.disk_bytes):
+        return None
+    disk_path: Path | None = settings.state_dir / "kv"
+    try:
+        if settings.disk_bytes:
+            disk_path.mkdir(mode=0o700, exist_ok=True)
+    except OSError as e:
+        log.warning("serving without the disk KV tier: cannot make %s: %s", disk_path, e.strerror)
+        disk_path = None
+    return TierConfig(host_bytes=settings.host_bytes, disk_bytes=settings.disk_bytes, disk_path=disk_path,
+                      chunk_pages=settings.chunk_pages, disk_codec=settings.disk_codec,
+                      disk_admission=settings.disk_admission)
+
+
+async def flush_tiers(state: DaemonState) -> None:
+    """Writes the KV worth a restart (sessions, prefixes hit at least once) to the disk tier: copied out
+    between two steps, committed off the event loop."""
+    eng = state.engine.engine
+    if eng.tiers is None or not eng.tiers.has_disk:
+        return
+    # Bounded batches: each call copies what the writer's queue has room for, from the pages as they are then.
+    while True:
+        done = await state.engine.call(eng.flush_tiers)
+        await asyncio.to_thread(eng.tiers.wait)
+        if done:
+            break
+    log.info("KV of sessions and reused prefixes flushed to the disk tier")
+
+
+def _usec(seconds: float) -> int:
+    return int(seconds * 1_000_000)
+
+
+@contextlib.asynccontextmanager
+async def _extending_timeout(status: str) -> AsyncIterator[None]:
+    """Keeps systemd's start or stop timeout from running out while a long step runs (loading a big
+    model, flushing the KV tiers): TimeoutStartSec=/TimeoutStopSec= stay short for everything else."""
+
+    async def extend() -> None:
+        while True:
+            notify(f"EXTEND_TIMEOUT_USEC={_usec(EXTENSION_S)}", f"STATUS={status}")
+            await asyncio.sleep(EXTENSION_S / 3)
+
+    extender = asyncio.create_task(extend())
+    try:
+        yield
+    finally:
+        extender.cancel()
+
+
+def _status_line(state: DaemonState) -> str:
+    eng = state.engine.engine
+    return (f"STATUS={'draining' if state.draining else 'serving'}; {len(eng.scheduler.running)} running, "
+            f"{len(eng.scheduler.waiting)} waiting, {eng.kv.pool.num_used_blocks}/{eng.kv.pool.num_blocks} pages used")
+
+
+async def heartbeat(engine: AsyncEngine, status: Callable[[], str]) -> None:
+    """Sends `status()` (a STATUS= line) and, when systemd watches us, WATCHDOG=1: each time only
+    after the engine ran `status` between two steps. A hung step (or a blocked event loop) stops
+    the pings, and systemd restarts the daemon once WatchdogSec= passes without one."""
+    period = watchdog_period()
+    watchdog = ["WATCHDOG=1"] if period else []
+    period = period or STATUS_PERIOD_S
+    probe: asyncio.Future[str] | None = None
+    while True:
+        if probe is None:
+            probe = asyncio.ensure_future(engine.call(status))
+        await asyncio.wait([probe], timeout=period)  # a timeout leaves the probe waiting for its step to end
+        if probe.done():
+            notify(probe.result(), *watchdog)
+            probe = None
+            await asyncio.sleep(period)
+
+
 async def serve(settings: Settings) -> None:
-    check_socket_path(settings.socket)  # a path we cannot serve on fails in a second, not after loading the model
-    state = build_state(settings)
-    sock = bind_unix_socket(settings.socket, settings.socket_mode, settings.socket_group)
+    activated = take_listen_socket()
+    if activated is None:
+        check_socket_path(settings.socket)  # a path we cannot serve on fails in a second, not after loading the model
+    async with _extending_timeout("loading the model"):
+        state = await asyncio.to_thread(build_state, settings)  # off the loop, so the extensions keep going
+    sock = activated or bind_unix_socket(settings.socket, settings.socket_mode, settings.socket_group)
     # handler_cancellation: a client that hangs up cancels its request, so its generation stops and frees its pages.
     runner = web.AppRunner(make_app(state), handle_signals=False, access_log=None, handler_cancellation=True)
     await runner.setup()
     await web.SockSite(runner, sock).start()
-    log.info("serving on %s", settings.socket)
+    if activated is None:
+        log.info("serving on %s", settings.socket)
+    else:
+        log.info("serving on %s (socket activation)", activated.getsockname())
+    notify("READY=1", _status_line(state))
+    pinger = asyncio.create_task(heartbeat(state.engine, lambda: _status_line(state)))
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -64,11 +168,19 @@ async def serve(settings: Settings) -> None:
     # Drain: new requests get 503 from here on; in-flight ones may finish.
     state.draining = True
     log.info("draining: %d request(s) in flight, up to %.0f s", state.in_flight, settings.drain_timeout_s)
+    # The extension lets a drain_timeout_s longer than TimeoutStopSec= run its course.
+    notify("STOPPING=1", f"EXTEND_TIMEOUT_USEC={_usec(settings.drain_timeout_s + STOP_MARGIN_S)}",
+           f"STATUS=draining; {state.in_flight} request(s) in flight")
     if state.in_flight:
         try:
             await asyncio.wait_for(state.idle.wait(), settings.drain_timeout_s)
         except TimeoutError:
             log.warning("drain timeout: %d request(s) cut off", state.in_flight)
+    if settings.flush_on_shutdown:
+        async with _extending_timeout("flushing KV to the disk tier"):
+            await flush_tiers(state)
+    pinger.cancel()
     await runner.cleanup()
-    settings.socket.unlink(missing_ok=True)
+    if activated is None:  # an activated socket's file belongs to systemd, which listens on it still
+        settings.socket.unlink(missing_ok=True)
     log.info("stopped")

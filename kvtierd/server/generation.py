@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from kvtierd.engine.async_engine import AsyncEngine
 from kvtierd.engine.request import RequestOutput, TokenLogprob
 from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.server.metrics import RequestObserver
 
 
 @dataclass(slots=True)
@@ -19,6 +20,7 @@ class GenerationResult:
     finish_reason: str | None = None  # "stop" or "length"; None while running or when cut off
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
     cache_source: str = "none"  # "session", "prefix", "public" or "none"
     queue_ms: float = 0.0
     ttft_ms: float | None = None
@@ -38,7 +40,7 @@ class GenerationResult:
     def kvtierd_info(self, **extra) -> dict:
         """The `kvtierd` extension object: where cached tokens came from, and timings."""
         return {
-            "cached_tokens_by_tier": {"device": self.cached_tokens},
+            "cached_tokens_by_tier": self.cached_tokens_by_tier,
             "cache_source": self.cache_source,
             "queue_ms": round(self.queue_ms, 3),
             "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 3),
@@ -48,22 +50,31 @@ class GenerationResult:
 
 class Generation:
     def __init__(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, tenant: str,
-                 session_id: str | None = None, tag: str | None = None) -> None:
+                 session_id: str | None = None, tag: str | None = None,
+                 observer: RequestObserver | None = None) -> None:
         engine.engine.validate(prompt_ids, params)  # a bad request fails here, before any response starts
         self._stream = engine.generate(prompt_ids, params, tenant=tenant, session_id=session_id, tag=tag)
         self._start = time.monotonic()
+        self._observer = observer
         self.result = GenerationResult(prompt_tokens=len(prompt_ids))
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The engine's outputs, folded into `result` as they pass."""
-        r = self.result
+        r, last = self.result, self._start
         try:
             async for out in self._stream:
+                now = time.monotonic()
                 if r.ttft_ms is None:
-                    r.ttft_ms = (time.monotonic() - self._start) * 1e3
+                    r.ttft_ms = (now - self._start) * 1e3
                     r.queue_ms = out.queue_s * 1e3
                     r.cached_tokens = out.num_cached_tokens
+                    r.cached_tokens_by_tier = dict(out.cached_tokens_by_tier)
                     r.cache_source = out.cache_source
+                    if self._observer:
+                        self._observer.first_output(now - self._start, out.queue_s, r.cached_tokens, r.cache_source)
+                elif self._observer:
+                    self._observer.next_token(now - last)  # each output carries one token
+                last = now
                 r.text += out.text
                 r.token_ids.extend(out.token_ids)
                 r.logprobs.extend(out.logprobs)

@@ -19,6 +19,8 @@ from kvtierd.cache.block_hash import HASH_FUNCTIONS
 from kvtierd.cache.eviction import EVICTION_POLICIES
 from kvtierd.server.paths import default_socket_path, default_state_dir
 from kvtierd.server.truncation import TRUNCATION_POLICIES
+from kvtierd.storage.codecs import CODEC_NAMES
+from kvtierd.tiers.config import DISK_ADMISSIONS
 
 
 class SettingsError(ValueError):
@@ -168,6 +170,17 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("max_num_seqs", "engine", "max_num_seqs", 64, int_between(1), "requests running at once"),
     Setting("max_model_len", "engine", "max_model_len", 0, int_between(0), "context window in tokens (0: the model's)"),
     Setting("default_max_tokens", "engine", "default_max_tokens", 512, int_between(1), "max_tokens when a request gives none"),
+    Setting("host_bytes", "tiers", "host_bytes", 2 << 30, parse_bytes,
+            "host tier: memory for KV chunks evicted from the device, pinned with CUDA (0: off)"),
+    Setting("disk_bytes", "tiers", "disk_bytes", 16 << 30, parse_bytes,
+            "disk tier: LMDB map size under <state_dir>/kv; the file grows as it fills (0: off)"),
+    Setting("chunk_pages", "tiers", "chunk_pages", 16, int_between(1, 1024), "KV pages per chunk stored below the device"),
+    Setting("disk_codec", "tiers", "disk_codec", "zstd-planes", one_of(*CODEC_NAMES),
+            "codec of disk chunks: raw, zstd or zstd-planes (zstd over byte planes)"),
+    Setting("disk_admission", "tiers", "disk_admission", "reused", one_of(*DISK_ADMISSIONS),
+            "evicted chunks also written to disk: reused (hit at least once) or all; sessions' turns always are"),
+    Setting("flush_on_shutdown", "tiers", "flush_on_shutdown", True, parse_bool,
+            "on SIGTERM, write the device's session pages and reused prefixes to disk for the next start"),
     Setting("store_url", "store", "url", None, parse_optional_str,
             "SQLAlchemy URL of the session store (default: sqlite under the state dir; postgresql+psycopg://... for fleets)"),
 )
@@ -202,6 +215,12 @@ class Settings:
     max_num_seqs: int
     max_model_len: int
     default_max_tokens: int
+    host_bytes: int
+    disk_bytes: int
+    chunk_pages: int
+    disk_codec: str
+    disk_admission: str
+    flush_on_shutdown: bool
     store_url: str
 
 

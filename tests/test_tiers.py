@@ -1,0 +1,267 @@
+"""The tier manager on a tiny geometry: the chunk key scheme, saves and loads byte-exact, the disk tier
+across a reopen, corrupt values, invalidation; and the block pool's chunk-wise capacity evictions."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvtierd.cache.block_hash import hash_full_blocks
+from kvtierd.cache.block_pool import BlockPool
+from kvtierd.storage.device_pool import DeviceKVPool
+from kvtierd.storage.geometry import KVGeometry
+from kvtierd.tiers.chunk import ChunkCopy, spans_of
+from kvtierd.tiers.config import TierConfig
+from kvtierd.tiers.tier_manager import TierManager
+
+GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float16)
+ROOT = b"r" * 16
+N = 2  # pages per chunk
+
+
+def make_device(num_blocks: int = 16) -> DeviceKVPool:
+    device = DeviceKVPool(GEOMETRY, num_blocks, torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    for k, v in device.kv_caches:
+        k.copy_(torch.randn(k.shape, generator=gen))
+        v.copy_(torch.randn(v.shape, generator=gen))
+    return device
+
+
+def make_tiers(device: DeviceKVPool, disk: Path | None = None, host: bool = True, **kw) -> TierManager:
+    return TierManager(TierConfig(host_bytes=(1 << 20) if host else 0, disk_bytes=64 << 20, disk_path=disk,
+                                  chunk_pages=N, **kw), device)
+
+
+def chain(num_pages: int, seed: int = 0) -> tuple[list[bytes], list[int]]:
+    tokens = [seed * 1000 + i for i in range(num_pages * GEOMETRY.block_size)]
+    return hash_full_blocks(ROOT, tokens, GEOMETRY.block_size), tokens
+
+
+def copies(hashes: list[bytes], tokens: list[int], block_ids: list[int], hits: int = 0) -> list[ChunkCopy]:
+    spans = spans_of(ROOT, hashes, tokens, GEOMETRY.block_size, N)
+    return [ChunkCopy(s, tuple(block_ids[s.first_page : s.first_page + s.num_pages]), hits) for s in spans]
+
+
+def pages(device: DeviceKVPool, block_ids: list[int]) -> list[torch.Tensor]:
+    return [t[block_ids].clone() for k, v in device.kv_caches for t in (k, v)]
+
+
+def load_all(tiers: TierManager, hashes: list[bytes], tokens: list[int], start: int, first_free: int) -> list[int]:
+    """Loads what the lookup finds after `start` device pages into pages from `first_free` on; returns them."""
+    loaded, depth = [], start
+    for found in tiers.lookup(ROOT, hashes, tokens, start):
+        skip = depth - found.span.first_page
+        fresh = list(range(first_free + len(loaded), first_free + len(loaded) + found.span.num_pages - skip))
+        assert tiers.load(found, skip, fresh)
+        loaded += fresh
+        depth += len(fresh)
+    return loaded
+
+
+def layout(found) -> list[tuple[str, int, int]]:
+    return [(f.tier, f.span.first_page, f.span.num_pages) for f in found]
+
+
+def test_chunks_are_aligned_and_keyed_by_their_last_page():
+    hashes, tokens = chain(5)
+    spans = spans_of(ROOT, hashes, tokens, GEOMETRY.block_size, N)
+    assert [(s.first_page, s.num_pages) for s in spans] == [(0, 2), (2, 2), (4, 1)]
+    assert [s.last_hash for s in spans] == [hashes[1], hashes[3], hashes[4]]
+    assert spans[2].token_ids == tuple(tokens[16:20])
+
+
+def test_a_chain_saved_to_host_comes_back_byte_exact():
+    device = make_device()
+    tiers = make_tiers(device)
+    hashes, tokens = chain(5)
+    tiers.demote(copies(hashes, tokens, [0, 1, 2, 3, 4]))
+    loaded = load_all(tiers, hashes, tokens, 0, first_free=8)
+    assert loaded == [8, 9, 10, 11, 12]
+    for a, b in zip(pages(device, [0, 1, 2, 3, 4]), pages(device, loaded)):
+        assert torch.equal(a, b)
+    host = tiers.stats()[0]
+    assert (host.entries, host.writes, host.hits, host.hit_tokens) == (3, 3, 3, 20)
+
+
+def test_the_lookup_finds_the_longest_stored_prefix():
+    device = make_device()
+    tiers = make_tiers(device)
+    hashes, tokens = chain(5)
+    tiers.demote(copies(hashes, tokens, [0, 1, 2, 3, 4]))
+    assert layout(tiers.lookup(ROOT, hashes, tokens, 0)) == [("host", 0, 2), ("host", 2, 2), ("host", 4, 1)]
+    # A shorter prompt cannot reach the partial chunk (its key is page 4's hash).
+    assert layout(tiers.lookup(ROOT, hashes[:4], tokens[:16], 0)) == [("host", 0, 2), ("host", 2, 2)]
+    # A longer prompt: no whole chunk at pages 4..5, so the partial one is tried.
+    longer, longer_tokens = chain(7)
+    assert layout(tiers.lookup(ROOT, longer, longer_tokens, 0)) == [("host", 0, 2), ("host", 2, 2), ("host", 4, 1)]
+    # A device hit of 3 pages starts the lookup at its chunk (loading skips page 2).
+    assert layout(tiers.lookup(ROOT, hashes, tokens, 3)) == [("host", 2, 2), ("host", 4, 1)]
+    # Another chain (other tokens) finds nothing.
+    other, other_tokens = chain(5, seed=1)
+    assert tiers.lookup(ROOT, other, other_tokens, 0) == []
+
+
+def test_a_partial_device_hit_loads_only_the_missing_pages():
+    device = make_device()
+    tiers = make_tiers(device)
+    hashes, tokens = chain(4)
+    tiers.demote(copies(hashes, tokens, [0, 1, 2, 3]))
+    loaded = load_all(tiers, hashes, tokens, 3, first_free=8)
+    assert loaded == [8]
+    for a, b in zip(pages(device, [3]), pages(device, [8])):
+        assert torch.equal(a, b)
+
+
+def test_the_disk_tier_outlives_the_process(tmp_path):
+    device = make_device()
+    tiers = make_tiers(device, tmp_path, host=False)
+    hashes, tokens = chain(5)
+    tiers.write_through(copies(hashes, tokens, [0, 1, 2, 3, 4]))
+    tiers.close()  # commits what was queued
+    again = make_tiers(device, tmp_path, host=False)
+    assert [f.tier for f in again.lookup(ROOT, hashes, tokens, 0)] == ["disk"] * 3
+    loaded = load_all(again, hashes, tokens, 0, first_free=8)
+    for a, b in zip(pages(device, [0, 1, 2, 3, 4]), pages(device, loaded)):
+        assert torch.equal(a, b)
+    disk = again.stats()[1]
+    assert disk.enabled and disk.healthy and disk.entries == 3 and disk.hits == 3
+    again.close()
+
+
+def test_disk_admission_takes_reused_chunks_unless_told_all(tmp_path):
+    device = make_device()
+    (tmp_path / "a").mkdir()
+    tiers = make_tiers(device, tmp_path / "a", host=False)
+    hashes, tokens = chain(4)
+    tiers.demote(copies(hashes, tokens, [0, 1, 2, 3])[:1])  # never hit: host only, and there is no host
+    tiers.demote(copies(hashes, tokens, [0, 1, 2, 3], hits=1)[1:])
+    tiers.wait()
+    assert tiers.stats()[1].entries == 1
+    (tmp_path / "b").mkdir()
+    everything = make_tiers(device, tmp_path / "b", host=False, disk_admission="all")
+    everything.demote(copies(hashes, tokens, [0, 1, 2, 3]))
+    everything.wait()
+    assert everything.stats()[1].entries == 2
+    tiers.close()
+    everything.close()
+
+
+def test_a_corrupt_disk_value_is_a_miss_and_quarantined(tmp_path):
+    device = make_device()
+    tiers = make_tiers(device, tmp_path, host=False)
+    hashes, tokens = chain(2)
+    tiers.write_through(copies(hashes, tokens, [0, 1]))
+    tiers.wait()
+    key = tiers.epoch.key(hashes[1])
+    frame = bytearray(tiers.disk.get_many([key])[0])
+    frame[-1] ^= 0xFF
+    assert tiers.disk.put_many([(key, bytes(frame))])
+    (found,) = tiers.lookup(ROOT, hashes, tokens, 0)
+    before = pages(device, [8, 9])
+    assert not tiers.load(found, 0, [8, 9])
+    tiers.wait()
+    assert all(torch.equal(a, b) for a, b in zip(before, pages(device, [8, 9])))  # nothing written
+    disk = tiers.stats()[1]
+    assert disk.corrupt == 1 and disk.entries == 0
+    assert tiers.lookup(ROOT, hashes, tokens, 0) == []
+    tiers.close()
+
+
+def test_invalidation_makes_everything_unreachable_across_a_reopen(tmp_path):
+    device = make_device()
+    tiers = make_tiers(device, tmp_path)
+    hashes, tokens = chain(4)
+    tiers.demote(copies(hashes, tokens, [0, 1, 2, 3], hits=1))
+    tiers.wait()
+    assert len(tiers.lookup(ROOT, hashes, tokens, 0)) == 2
+    tiers.invalidate_all()
+    assert tiers.lookup(ROOT, hashes, tokens, 0) == []
+    tiers.close()
+    assert make_tiers(device, tmp_path).lookup(ROOT, hashes, tokens, 0) == []
+
+
+def test_forget_drops_the_chunks_of_a_chain(tmp_path):
+    device = make_device()
+    tiers = make_tiers(device, tmp_path)
+    hashes, tokens = chain(3)
+    tiers.demote(copies(hashes, tokens, [0, 1, 2], hits=1))
+    tiers.wait()
+    tiers.forget(hashes[2:])  # the chain's own pages from page 2: its partial chunk
+    tiers.wait()
+    assert [f.span.num_pages for f in tiers.lookup(ROOT, hashes, tokens, 0)] == [2]
+    tiers.close()
+
+
+def test_an_unavailable_disk_leaves_the_host_tier_working(tmp_path):
+    device = make_device()
+    tiers = make_tiers(device, tmp_path / "missing")
+    host, disk = tiers.stats()
+    assert host.enabled and host.healthy
+    assert not disk.enabled and "missing" in disk.reason
+    hashes, tokens = chain(2)
+    tiers.write_through(copies(hashes, tokens, [0, 1]))  # nowhere to write: a no-op
+    tiers.demote(copies(hashes, tokens, [0, 1]))
+    assert [f.tier for f in tiers.lookup(ROOT, hashes, tokens, 0)] == ["host"]
+
+
+def test_a_host_budget_under_one_chunk_turns_the_host_tier_off():
+    tiers = TierManager(TierConfig(host_bytes=100, disk_bytes=0, chunk_pages=N), make_device())
+    host, disk = tiers.stats()
+    assert not host.enabled and "holds no slot" in host.reason
+    assert not disk.enabled and disk.reason == "off: disk_bytes is 0"
+
+
+# -- the block pool's side: capacity evictions go chunk by chunk ---------------------------------------
+
+def indexed_chain(pool: BlockPool, num_pages: int) -> list[int]:
+    hashes, tokens = chain(num_pages)
+    blocks = pool.allocate(num_pages)
+    for i, (b, h) in enumerate(zip(blocks, hashes)):
+        pool.cache(b, h, tokens[i * 4 : (i + 1) * 4], ROOT, depth=i, parent=hashes[i - 1] if i else None)
+    pool.release(blocks)
+    return blocks
+
+
+def test_a_capacity_eviction_takes_and_logs_the_whole_chunk():
+    pool = BlockPool(5)
+    pool.chunk_pages = N
+    blocks = indexed_chain(pool, 5)  # chunks: pages 0-1, 2-3, 4
+    assert pool.allocate(1) == [blocks[4]]  # the tail goes first; its chunk is that page alone
+    (first,) = pool.evicted
+    assert (first.first_depth, first.block_ids) == (4, (blocks[4],))
+    taken = pool.allocate(1)
+    assert taken == [blocks[3]]
+    second = pool.evicted[1]
+    assert (second.first_depth, second.block_ids) == (2, (blocks[2], blocks[3]))
+    assert second.token_ids == tuple(range(8, 16))
+    # Page 2 went with its chunk: it is free and uncached, first in line.
+    assert pool.page_info(blocks[2]) is None and pool.allocate(1) == [blocks[2]]
+    assert pool.evictions.capacity == 3
+
+
+def test_a_chunk_page_someone_holds_stays_indexed():
+    pool = BlockPool(4)
+    pool.chunk_pages = N
+    blocks = indexed_chain(pool, 2)
+    pool.touch([blocks[0]])  # another request holds the chunk's first page
+    pool.allocate(2)  # the two never-used pages
+    assert pool.allocate(1) == [blocks[1]]
+    assert pool.evicted[0].block_ids == (blocks[0], blocks[1])  # saved whole: page 0's KV is intact
+    assert pool.page_info(blocks[0]) is not None
+
+
+def test_without_lower_tiers_nothing_is_logged():
+    pool = BlockPool(2)
+    indexed_chain(pool, 2)
+    pool.allocate(2)
+    assert pool.evicted == [] and pool.evictions.capacity == 2
+
+
+@pytest.mark.parametrize("bad", [{"chunk_pages": 0}, {"disk_codec": "lz4"}, {"disk_admission": "some"},
+                                 {"host_bytes": -1}])
+def test_bad_tier_configs_are_refused(bad):
+    with pytest.raises(ValueError):
+        TierConfig(**bad)

@@ -1,0 +1,114 @@
+"""The lower tiers on the real model: KV evicted from a tiny device pool comes back from the host or the
+disk tier, and a session continues on a new engine over the same disk store. Every reply and its
+logprobs equal the same prompt computed from scratch."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtierd.cache.block_hash import hash_full_blocks
+from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.tiers.config import TierConfig
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2)
+KV_TOKENS = 320  # 20 pages: two other prompts of ~150 tokens push the first one out
+TOPICS = ("the block pool and its pages", "the scheduler and its token budget", "the disk store and its LRU")
+
+
+def run_one(engine, prompt, session_id=None):
+    rid = engine.add_request(prompt, PARAMS, session_id=session_id)
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def tokens(outs):
+    return [t for o in outs for t in o.token_ids]
+
+
+def assert_same_output(warm, cold):
+    assert tokens(warm) == tokens(cold)
+    for w, c in zip(warm, cold):
+        assert w.logprobs[0].logprob == pytest.approx(c.logprobs[0].logprob, abs=1e-3)
+        assert [t for t, _ in w.logprobs[0].top] == [t for t, _ in c.logprobs[0].top]
+
+
+def ask(tok, topic: str) -> list[int]:
+    text = f"Here are some notes on {topic}. " + f"They describe {topic} in detail, step by step. " * 9
+    return tok.encode_chat([{"role": "user", "content": text + "Summarise them."}])
+
+
+@pytest.fixture
+def cold(make_engine):
+    engine = make_engine(enable_prefix_caching=False)
+    return lambda prompt: run_one(engine, prompt)
+
+
+def tiered(make_engine, host: bool = True, disk=None, **kw):
+    config = TierConfig(host_bytes=(64 << 20) if host else 0, disk_bytes=(256 << 20) if disk else 0, disk_path=disk,
+                        chunk_pages=4, **kw)
+    return make_engine(kv_tokens=KV_TOKENS, tiers=config)
+
+
+def push_out(engine, tok, first: list[int]) -> None:
+    """Runs the first prompt, then two others that need its pages."""
+    run_one(engine, first)
+    for topic in TOPICS[1:]:
+        run_one(engine, ask(tok, topic))
+    pages = hash_full_blocks(engine._root(""), first, 16, algorithm=engine.kv.hash_algorithm)
+    assert engine.kv.pool.block_of(pages[-1]) is None  # its own pages left the device (a shared head may stay)
+
+
+def test_pages_evicted_to_the_host_tier_come_back_and_change_nothing(loaded, make_engine, cold):
+    tok = loaded.tokenizer
+    engine = tiered(make_engine)
+    prompt = ask(tok, TOPICS[0])
+    assert 120 < len(prompt) < 200
+    push_out(engine, tok, prompt)
+    warm = run_one(engine, prompt)
+    by_tier = warm[0].cached_tokens_by_tier
+    assert by_tier["host"] >= 64 and by_tier["disk"] == 0
+    assert warm[0].num_cached_tokens == sum(by_tier.values()) == (len(prompt) - 1) // 16 * 16
+    assert_same_output(warm, cold(prompt))
+    host = engine.tier_stats()[0]
+    assert host.hits >= 2 and host.hit_tokens == by_tier["host"]
+
+
+def test_pages_evicted_to_the_disk_tier_come_back_and_change_nothing(loaded, make_engine, cold, tmp_path):
+    tok = loaded.tokenizer
+    engine = tiered(make_engine, host=False, disk=tmp_path, disk_admission="all")
+    prompt = ask(tok, TOPICS[0])
+    push_out(engine, tok, prompt)
+    engine.tiers.wait()  # the writes are asynchronous; a chunk not yet committed would be recomputed
+    warm = run_one(engine, prompt)
+    assert warm[0].cached_tokens_by_tier["disk"] >= 64
+    assert_same_output(warm, cold(prompt))
+    engine.close()
+
+
+def test_a_session_continues_on_a_new_engine_from_the_disk_tier(loaded, make_engine, cold, tmp_path):
+    tok = loaded.tokenizer
+    messages = [{"role": "system", "content": "You are a terse assistant for a KV-cache daemon. " * 4},
+                {"role": "user", "content": "What is a KV page?"}]
+    first = make_engine(tiers=TierConfig(host_bytes=64 << 20, disk_bytes=256 << 20, disk_path=tmp_path))
+    for question in ("And a page table?", "Why copy on write?"):
+        reply = tok.decode(tokens(run_one(first, tok.encode_chat(messages), session_id="s")))
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": question}]
+    first.close()  # what the turns wrote through is committed (no flush: as after kill -9 once written)
+    second = make_engine(tiers=TierConfig(host_bytes=64 << 20, disk_bytes=256 << 20, disk_path=tmp_path))
+    prompt = tok.encode_chat(messages)
+    warm = run_one(second, prompt, session_id="s")
+    assert warm[0].cache_source == "prefix" and warm[0].cached_tokens_by_tier["disk"] == warm[0].num_cached_tokens
+    assert warm[0].num_cached_tokens >= len(prompt) - 32  # the new question and at most a page before it
+    assert_same_output(warm, cold(prompt))
+    second.close()
+
+
+def test_an_invalidation_reaches_the_lower_tiers(loaded, make_engine):
+    tok = loaded.tokenizer
+    engine = tiered(make_engine)
+    prompt = ask(tok, TOPICS[0])
+    push_out(engine, tok, prompt)
+    engine.invalidate_tenant("")
+    assert run_one(engine, prompt)[0].num_cached_tokens == 0
