@@ -102,7 +102,7 @@ def test_chat_completion_reports_usage_cache_and_timings(whole, model_id):
     assert usage.prompt_tokens_details.cached_tokens is not None
     assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
     extra = whole.model_extra["kvtierd"]
-    assert extra["cached_tokens_by_tier"] == {"device": usage.prompt_tokens_details.cached_tokens}
+    assert extra["cached_tokens_by_tier"] == {"device": usage.prompt_tokens_details.cached_tokens, "host": 0, "disk": 0}
     assert extra["queue_ms"] >= 0 and extra["ttft_ms"] > 0
 
 
@@ -123,7 +123,7 @@ def test_include_usage_adds_a_final_usage_chunk(client, model_id, whole):
     assert last.usage.completion_tokens == whole.usage.completion_tokens
     cached = last.usage.prompt_tokens_details.cached_tokens
     assert cached > 0  # the same prompt ran before
-    assert last.model_extra["kvtierd"]["cached_tokens_by_tier"] == {"device": cached}
+    assert last.model_extra["kvtierd"]["cached_tokens_by_tier"] == {"device": cached, "host": 0, "disk": 0}
     assert "".join(c.choices[0].delta.content or "" for c in text_chunks) == whole.choices[0].message.content
 
 
@@ -410,6 +410,11 @@ def test_non_admin_peer_is_its_own_tenant(open_daemon):
     with open_daemon.client() as root:
         assert root.get(f"/admin/sessions/{session['id']}").json()["session"]["tenant"] == "nobody"
         assert root.get(f"/v1/sessions/{session['id']}").status_code == 404  # not root's
+
+
+def test_non_admin_peer_may_read_metrics(open_daemon):
+    (metrics,) = as_nobody(open_daemon.socket, raw_request("GET", "/metrics"))  # like /healthz: no admin needed
+    assert metrics[0] == "HTTP/1.1 200 OK" and "# TYPE kvtierd_requests_total counter" in metrics[1]
 
 
 # --- concurrency ----------------------------------------------------------------------------------

@@ -144,13 +144,26 @@ class AdminClient:
         self, method: str, path: str, params: Mapping[str, str | int | None] | None = None, body: Any = None
     ) -> dict[str, Any]:
         query = {k: v for k, v in (params or {}).items() if v is not None}
+        return decode_response(self._send(method, path, params=query, json=body), self.socket_path)
+
+    def text(self, path: str) -> str:
+        """The body of a plain-text answer (e.g. /metrics); errors raise as for JSON routes."""
+        response = self._send("GET", path)
+        if response.status_code >= 400:
+            decode_response(response, self.socket_path)  # raises the daemon's error
+        content_type = response.headers.get("content-type", "no content type")
+        if not content_type.startswith("text/plain"):
+            raise ConnectionProblem(f"the answer to GET {path} from {self.socket_path} is {content_type}, not text;"
+                                    " is something other than kvtierd listening there?")
+        return response.text
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         try:
-            response = self._http.request(method, path, params=query, json=body)
+            return self._http.request(method, path, **kwargs)
         except httpx.TransportError as e:
             raise connection_error(e, self.socket_path) from e
         except OSError as e:  # raised before httpx wraps it, e.g. a path too long for AF_UNIX
             raise connection_error(e, self.socket_path) from e
-        return decode_response(response, self.socket_path)
 
 
 def _daemon_error(response: httpx.Response, data: Any) -> DaemonError:

@@ -1,9 +1,10 @@
 """`kvtierctl`: the admin CLI. It talks HTTP to a running kvtierd over its Unix socket.
 
 Each command calls one `/admin/...` route and prints one rich table (or, with `--json`,
-the daemon's JSON as is). Failures print one `error: ...` line on stderr and exit
-non-zero: 2 when kvtierd cannot be reached or does not answer in its protocol, 1 when
-kvtierd answers with an error (for example 403: admin routes need root or the admin group).
+the daemon's JSON as is); `top` reads `/metrics` instead (`cli/top.py`). Failures print
+one `error: ...` line on stderr and exit non-zero: 2 when kvtierd cannot be reached or does
+not answer in its protocol, 1 when kvtierd answers with an error (for example 403: admin
+routes need root or the admin group).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from kvtierd.cli.admin_client import (
     AdminError,
     resolve_socket_path,
 )
+from kvtierd.cli.top import run_top
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -93,6 +95,24 @@ def tiers(ctx: typer.Context) -> None:
 def stats(ctx: typer.Context) -> None:
     """Request and token counters since the daemon started."""
     _run(ctx, "GET", "/admin/stats", render=render_stats)
+
+
+@app.command()
+def top(
+    ctx: typer.Context,
+    interval: Annotated[float, typer.Option("--interval", min=0.1, help="Seconds between frames.")] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one frame (rates since the daemon started) and exit.")]
+    = False,
+) -> None:
+    """A live view from /metrics: throughput, hit rates, pages, evictions, TTFT per priority."""
+    opts: CtlOptions = ctx.obj
+    try:
+        with AdminClient(opts.socket_path, timeout=opts.timeout) as client:
+            run_top(client, interval, once, opts.json)
+    except AdminError as e:
+        _fail(e.message, e.exit_code)
+    except KeyboardInterrupt:  # how a live view ends
+        pass
 
 
 @sessions_app.command("ls")
@@ -244,13 +264,16 @@ def render_tiers(data: dict[str, Any]) -> Table:
         ("Capacity", lambda t: _bytes(t["capacity_bytes"])),
         ("Used", lambda t: _bytes(t["used_bytes"])),
         ("Use", lambda t: _pct(t["used_bytes"] / t["capacity_bytes"]) if t["capacity_bytes"] else "—"),
-        ("Pages", lambda t: _count(t["pages_total"])),
-        ("  used", lambda t: _count(t["pages_used"])),
-        ("  cached", lambda t: _count(t["pages_cached"])),
-        ("  free", lambda t: _count(t["pages_free"])),
+        ("Pages", lambda t: _count(t["pages_total"]) if "pages_total" in t else "—"),
+        ("  used", lambda t: _count(t["pages_used"]) if "pages_used" in t else "—"),
+        ("  cached", lambda t: _count(t["pages_cached"]) if "pages_cached" in t else "—"),
+        ("  free", lambda t: _count(t["pages_free"]) if "pages_free" in t else "—"),
+        ("Chunks", lambda t: _count(t["entries"]) if "entries" in t else "—"),
         ("Query tokens", lambda t: _count(t["query_tokens"])),
         ("Hit tokens", lambda t: _count(t["hit_tokens"])),
         ("Hit rate", lambda t: _pct(t["hit_rate"])),
+        # A lower tier that is off or failed says why instead (host and disk only).
+        ("Health", lambda t: "ok" if t.get("healthy", True) else str(t.get("reason") or "down")),
     ]
     for label, cell in rows:
         _row(table, label, *(cell(tier) for tier in tiers))

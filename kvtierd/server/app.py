@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from kvtierd.server import admin_routes, chat_routes, openapi, prefix_routes, session_routes
+from kvtierd.server import admin_routes, chat_routes, metrics_routes, openapi, prefix_routes, session_routes
+from kvtierd.server.metrics_routes import metrics_middleware
 from kvtierd.server.middleware import errors_middleware, peer_middleware
 from kvtierd.server.state import STATE, DaemonState
 
@@ -22,7 +24,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 ROUTE_TABLES = (chat_routes.routes, session_routes.routes, admin_routes.routes, prefix_routes.routes, openapi.routes,
-                health_routes)
+                health_routes, metrics_routes.routes)
 
 
 async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
@@ -30,12 +32,13 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     await state.engine.start()
     yield
     await state.engine.stop()
+    await asyncio.to_thread(state.engine.engine.close)  # commits queued disk-tier writes
     state.store.close()
 
 
 def make_app(state: DaemonState) -> web.Application:
     app = web.Application(client_max_size=state.settings.max_body_bytes,
-                          middlewares=[errors_middleware, peer_middleware])
+                          middlewares=[metrics_middleware, errors_middleware, peer_middleware])
     app[STATE] = state
     for table in ROUTE_TABLES:
         app.add_routes(table)

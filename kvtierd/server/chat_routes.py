@@ -51,7 +51,7 @@ async def respond_chat(request: web.Request, state: DaemonState, turn: Turn, opt
     """Runs a chat turn and answers it, streamed or whole; records it in its session if any."""
     tok = state.loaded.tokenizer
     gen = Generation(state.engine, turn.prompt_ids, options.params, request["tenant"], turn.session_id,
-                     options.prefix_tag)
+                     options.prefix_tag, state.metrics.observer(options.priority))
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id
     extra: dict = {"priority": options.priority}
     if turn.session_id:
@@ -98,7 +98,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     tok = state.loaded.tokenizer
     prompt_ids = req.prompt_ids if req.prompt_ids is not None else tok.encode(req.prompt_text)
     options = req.options
-    gen = Generation(state.engine, prompt_ids, options.params, request["tenant"], tag=options.prefix_tag)
+    gen = Generation(state.engine, prompt_ids, options.params, request["tenant"], tag=options.prefix_tag,
+                     observer=state.metrics.observer(options.priority))
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id
     extra = {"priority": options.priority}
     if not options.stream:

@@ -84,6 +84,9 @@ DOCUMENT = {
             "parameters": _SESSION_ID}},
         "/healthz": {"get": _op("Liveness and readiness", errors=(503,))},
         "/openapi.json": {"get": _op("This document", errors=())},
+        "/metrics": {"get": {"summary": "Prometheus metrics (text format); open to every peer, like /healthz",
+                             "responses": {"200": {"description": "OK", "content": {"text/plain": {
+                                 "schema": {"type": "string"}}}}, "503": _ERROR}}},
         "/admin/status": {"get": _op("Daemon, model and engine state", errors=(403,))},
         "/admin/tiers": {"get": _op("Per-tier capacity, use and hit rate", errors=(403,))},
         "/admin/stats": {"get": _op("Request and token counters", errors=(403,))},

@@ -1,4 +1,4 @@
-"""What every handler shares: the settings, the model, the engine, the store, counters."""
+"""What every handler shares: the settings, the model, the engine, the store, counters and metrics."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from aiohttp import web
 
 from kvtierd.engine.async_engine import AsyncEngine
 from kvtierd.model.loader import LoadedModel
+from kvtierd.server.metrics import ServerMetrics
 from kvtierd.server.settings import Settings
 from kvtierd.storage.session_store import SessionStore
 
@@ -34,6 +35,7 @@ class DaemonState:
     draining: bool = False
     in_flight: int = 0
     counters: ServerCounters = field(default_factory=ServerCounters)
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     # (tenant, session id) -> messages its prompt leaves out since it outgrew the window
     truncation_cuts: dict[tuple[str, str], int] = field(default_factory=dict)

@@ -1,0 +1,135 @@
+"""Metric families that mirror the engine's and the server's own counters, read once per scrape.
+
+The /metrics handler builds an `EngineCollector` through `AsyncEngine.call`, so
+every number of one scrape comes from the same moment between two engine steps.
+Hit tokens carry a `tier` label (device, host, disk); the lower tiers add their
+bytes, chunks, writes, evictions, corrupt values and health.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import asdict
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from kvtierd.engine.llm_engine import LLMEngine
+from kvtierd.server.state import ServerCounters
+
+TIER = "device"
+
+
+class EngineCollector:
+    def __init__(self, engine: LLMEngine, server: ServerCounters, uptime_s: float) -> None:
+        self._families = list(_families(engine, server, uptime_s))
+
+    def collect(self) -> list[Metric]:
+        return self._families
+
+
+def _families(eng: LLMEngine, server: ServerCounters, uptime_s: float) -> Iterator[Metric]:
+    c, pool, kv = eng.counters, eng.kv.pool, eng.kv
+    yield GaugeMetricFamily("kvtierd_uptime_seconds", "Seconds since the daemon started.", uptime_s)
+
+    yield CounterMetricFamily("kvtierd_requests", "Requests added to the engine.", c.requests)
+    requests = GaugeMetricFamily("kvtierd_engine_requests", "Requests in the engine now, by state.", labels=["state"])
+    requests.add_metric(["running"], len(eng.scheduler.running))
+    requests.add_metric(["waiting"], len(eng.scheduler.waiting))
+    yield requests
+    yield CounterMetricFamily("kvtierd_prompt_tokens", "Prompt tokens of the requests added.", c.prompt_tokens)
+    hits = CounterMetricFamily("kvtierd_cache_hit_tokens", "Prompt tokens served from the cache, by the tier "
+                               "they were found in (host and disk ones were loaded into the device).", labels=["tier"])
+    hits.add_metric([TIER], c.cached_tokens - c.host_tokens - c.disk_tokens)
+    hits.add_metric(["host"], c.host_tokens)
+    hits.add_metric(["disk"], c.disk_tokens)
+    yield hits
+    yield CounterMetricFamily("kvtierd_generated_tokens", "Tokens generated.", c.generated_tokens)
+    yield CounterMetricFamily("kvtierd_preemptions", "Requests preempted for lack of pages (recomputed later).",
+                              c.preemptions)
+
+    idle_cached = len(pool.idle_cached_blocks())
+    pages = GaugeMetricFamily("kvtierd_pages", "KV pages by state: used (held by requests), cached (idle but "
+                              "indexed, reusable until evicted) and free (holding nothing).", labels=["tier", "state"])
+    pages.add_metric([TIER, "used"], pool.num_used_blocks)
+    pages.add_metric([TIER, "cached"], idle_cached)
+    pages.add_metric([TIER, "free"], pool.num_free_blocks - idle_cached)
+    yield pages
+    yield _per_tier("kvtierd_pages_capacity", "KV pages a tier holds.", GaugeMetricFamily, pool.num_blocks)
+    evictions = CounterMetricFamily("kvtierd_cache_evictions", "Pages dropped from the prefix index, by reason.",
+                                    labels=["tier", "reason"])
+    for reason, n in asdict(pool.evictions).items():
+        evictions.add_metric([TIER, reason], n)
+    yield evictions
+    yield _per_tier("kvtierd_cache_token_mismatches",
+                    "Hash hits refused because the stored tokens differ (never served).",
+                    CounterMetricFamily, pool.num_token_mismatches)
+    yield GaugeMetricFamily("kvtierd_session_pools", "Sessions whose context pool is kept for their next turn.",
+                            len(kv.sessions))
+    yield GaugeMetricFamily("kvtierd_page_fragmentation_ratio",
+                            "Unused token slots in the pages of running requests / their allocated slots.",
+                            _fragmentation(eng))
+
+    step = eng.last_step
+    step_s = GaugeMetricFamily("kvtierd_engine_last_step_seconds", "Duration of the last engine step, by part: "
+                               "forward (model and logits) and total (with scheduling and sampling).", labels=["part"])
+    step_s.add_metric(["forward"], step.forward_s if step else 0.0)
+    step_s.add_metric(["total"], step.total_s if step else 0.0)
+    yield step_s
+    yield GaugeMetricFamily("kvtierd_engine_last_step_tokens", "Tokens computed in the last engine step.",
+                            step.num_tokens if step else 0)
+
+    yield from _lower_tiers(eng)
+
+    errors = CounterMetricFamily("kvtierd_http_errors", "Error responses, by status class.", labels=["status_class"])
+    errors.add_metric(["4xx"], server.errors_4xx)
+    errors.add_metric(["5xx"], server.errors_5xx)
+    yield errors
+    yield GaugeMetricFamily("kvtierd_http_active_streams", "SSE responses streaming now.", server.active_streams)
+
+
+def _lower_tiers(eng: LLMEngine) -> Iterator[Metric]:
+    """Host and disk: what they hold, what they did, and whether they work."""
+    stats = eng.tier_stats()
+    families = {
+        "bytes": GaugeMetricFamily("kvtierd_tier_bytes", "Bytes of a lower tier, by state (used, capacity).",
+                                   labels=["tier", "state"]),
+        "chunks": GaugeMetricFamily("kvtierd_tier_chunks", "Chunks stored in a lower tier.", labels=["tier"]),
+        "writes": CounterMetricFamily("kvtierd_tier_writes", "Chunks written to a lower tier.", labels=["tier"]),
+        "dropped": CounterMetricFamily("kvtierd_tier_dropped_writes", "Chunks not written (queue full or store "
+                                       "failed).", labels=["tier"]),
+        "pending": GaugeMetricFamily("kvtierd_tier_pending_writes", "Chunks copied out, not yet committed.",
+                                     labels=["tier"]),
+        "evictions": CounterMetricFamily("kvtierd_tier_evictions", "Values a lower tier dropped for room.",
+                                         labels=["tier"]),
+        "corrupt": CounterMetricFamily("kvtierd_tier_corrupt_values", "Values that failed their checks (never "
+                                       "served; quarantined on disk).", labels=["tier"]),
+        "healthy": GaugeMetricFamily("kvtierd_tier_healthy", "1 when a lower tier is enabled and working.",
+                                     labels=["tier"]),
+    }
+    for t in stats:
+        families["bytes"].add_metric([t.name, "used"], t.used_bytes)
+        families["bytes"].add_metric([t.name, "capacity"], t.capacity_bytes)
+        families["chunks"].add_metric([t.name], t.entries)
+        families["writes"].add_metric([t.name], t.writes)
+        families["dropped"].add_metric([t.name], t.dropped_writes)
+        families["pending"].add_metric([t.name], t.pending_writes)
+        families["evictions"].add_metric([t.name], t.evictions)
+        families["corrupt"].add_metric([t.name], t.corrupt)
+        families["healthy"].add_metric([t.name], float(t.enabled and t.healthy))
+    yield from families.values()
+
+
+def _per_tier(name: str, doc: str, kind: type, value: float) -> Metric:
+    family = kind(name, doc, labels=["tier"])
+    family.add_metric([TIER], value)
+    return family
+
+
+def _fragmentation(eng: LLMEngine) -> float:
+    """Only a sequence's last page can be partly used; shared pages count once per sequence."""
+    allocated = used = 0
+    for req in eng.scheduler.running:
+        table = eng.kv.table(req.request_id)
+        allocated += len(table.block_ids) * table.block_size
+        used += table.num_tokens
+    return (allocated - used) / allocated if allocated else 0.0
