@@ -103,6 +103,7 @@ class DiskStore:
             )
         except lmdb.Error as e:
             raise StoreUnavailableError(f"disk KV store {self.path}: {e}") from e
+        self._check_file_size()
         try:
             # Reader slots left by a killed process would pin old pages and keep the map from reusing them.
             self._env.reader_check()
@@ -116,7 +117,7 @@ class DiskStore:
                 self._lru = _read_lru(txn, self._order)
             self._lock = threading.Lock()
             self._measure()
-        except lmdb.Error as e:
+        except (lmdb.Error, struct.error) as e:  # struct.error: an LRU record of the wrong size (a damaged page)
             self._env.close()
             raise StoreUnavailableError(f"disk KV store {self.path} is unreadable: {e}") from e
         self._map_bytes = self._env.info()["map_size"]
@@ -340,6 +341,19 @@ class DiskStore:
 
     # -- errors -------------------------------------------------------------------------------
 
+    def _check_file_size(self) -> None:
+        """Refuses a data.mdb shorter than the pages its meta page names (a truncated copy or restore).
+
+        LMDB trusts the meta page: its first read of a page past the file's end would kill the
+        process with SIGBUS, not raise. Only the meta pages have been read at this point.
+        """
+        needed = (self._env.info()["last_pgno"] + 1) * self._env.stat()["psize"]
+        size = (self.path / "data.mdb").stat().st_size
+        if size < needed:
+            self._env.close()
+            raise StoreUnavailableError(
+                f"disk KV store {self.path} is truncated: data.mdb has {size} bytes, its pages need {needed}")
+
     def _check_keys(self, keys: Iterable[bytes]) -> None:
         # A bad key is the caller's bug; letting LMDB reject it would look like a failing disk.
         for key in keys:
@@ -354,8 +368,18 @@ class DiskStore:
         try:
             yield
         except lmdb.Error as e:
-            self._failure = f"{type(e).__name__}: {e}"
-            raise StoreUnavailableError(f"disk KV store {self.path} failed: {e}") from e
+            note = self._full_note()
+            self._failure = f"{type(e).__name__}: {e}{note}"
+            raise StoreUnavailableError(f"disk KV store {self.path} failed: {e}{note}") from e
+
+    def _full_note(self) -> str:
+        """LMDB reports a write cut short by a full filesystem as EIO; say when that is what happened."""
+        try:
+            st = os.statvfs(self.path)
+        except OSError:
+            return ""
+        free = st.f_bavail * st.f_frsize
+        return f" (its filesystem is full: {free} bytes free)" if free < self._slack else ""
 
 
 def _read_lru(txn: lmdb.Transaction, order_db: lmdb._Database) -> OrderedDict[bytes, _Entry]:

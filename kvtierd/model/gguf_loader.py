@@ -120,5 +120,7 @@ def open_gguf(path: Path) -> GGUFReader:
         raise ModelLoadError(f"model file not found: {path}")
     try:
         return GGUFReader(path)
-    except (ValueError, OSError) as e:
+    # A cut or garbled file fails wherever gguf's parser runs off its data: an index past the end, a view
+    # that does not fit, an enum value that does not exist.
+    except (ValueError, OSError, IndexError, KeyError, OverflowError) as e:
         raise ModelLoadError(f"{path} is not a readable GGUF file: {e}") from e

@@ -15,6 +15,9 @@ import stat
 from pathlib import Path
 
 
+MAX_PATH_BYTES = 107  # sun_path holds 108 bytes, the last one a NUL
+
+
 class SocketBindError(RuntimeError):
     """The socket path cannot be served on (held by a live daemon, not a socket, bad group)."""
 
@@ -34,7 +37,18 @@ def _is_live(path: Path) -> bool:
 def check_socket_path(path: Path) -> bool:
     """Raises SocketBindError when `path` cannot be served on; True when a stale socket is there.
 
-    Cheap, so the daemon asks before loading its model, and again when it binds."""
+    Cheap, so the daemon asks before loading its model, and again when it binds. A missing
+    directory is made here (private; systemd's RuntimeDirectory sets its own), so a path that
+    can never be bound fails now, in one line."""
+    if len(os.fsencode(path)) > MAX_PATH_BYTES:
+        raise SocketBindError(f"socket path {path} is too long: a Unix socket path has at most {MAX_PATH_BYTES} bytes")
+    if not path.parent.is_dir():
+        if path.parent.exists():
+            raise SocketBindError(f"the socket's directory {path.parent} is not a directory")
+        try:
+            path.parent.mkdir(mode=0o700, parents=True)
+        except OSError as e:
+            raise SocketBindError(f"cannot make the socket's directory {path.parent}: {e.strerror}") from None
     if not (path.exists() or path.is_symlink()):
         return False
     if not stat.S_ISSOCK(path.lstat().st_mode):
@@ -45,9 +59,6 @@ def check_socket_path(path: Path) -> bool:
 
 
 def bind_unix_socket(path: Path, mode: int, group: str | None) -> socket.socket:
-    if not path.parent.exists():
-        # A directory we create is private; systemd's RuntimeDirectory sets its own.
-        path.parent.mkdir(mode=0o700, parents=True)
     if check_socket_path(path):
         path.unlink()  # stale: its daemon is gone
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
