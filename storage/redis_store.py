@@ -192,6 +192,22 @@ class RedisStore:
         log names the key and the reason."""
         return self._drop(self._names([key]), reason) == 1
 
+    def read_epoch(self) -> int | None:
+        """The fleet's invalidation epoch (0 before the first invalidation); None when the server failed.
+
+        Mixed into every key by the tier above, so one host's invalidation reaches the whole fleet."""
+        answer = self._call(lambda client: (client.get(self._epoch_name()),))  # a tuple: None means it failed
+        if answer is None:
+            return None
+        return int(answer[0]) if answer[0] is not None else 0
+
+    def bump_epoch(self) -> int | None:
+        """Starts a new fleet epoch (what was stored so far becomes unreachable); None when the server failed."""
+        return self._call(lambda client: client.incr(self._epoch_name()))
+
+    def _epoch_name(self) -> bytes:
+        return f"{self.key_prefix}epoch".encode()
+
     def refresh_usage(self) -> ServerUsage | None:
         """Reads the server's key count, memory and evictions now (one INFO per master); None if that failed."""
         usage = self._call(_read_usage)

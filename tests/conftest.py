@@ -25,6 +25,21 @@ class PostgresServer:
     bin_dir: Path
     socket_dir: Path
     port: int
+    data_dir: Path
+    log: Path
+    options: str
+    os_user: str | None
+
+    def stop(self) -> None:
+        """Stops the server (a test of the daemon without its database must start it again)."""
+        self._pg_ctl("-m", "fast", "-w", "stop")
+
+    def start(self) -> None:
+        self._pg_ctl("-l", self.log, "-o", self.options, "-w", "-t", "30", "start")
+
+    def _pg_ctl(self, *args: object) -> None:
+        subprocess.run(_as_user(self.os_user, self.bin_dir / "pg_ctl", "-D", self.data_dir, *args),
+                       cwd=self.data_dir.parent, check=True, capture_output=True)
 
     def url(self, dbname: str) -> str:
         return f"postgresql+psycopg://postgres@/{dbname}?host={self.socket_dir}&port={self.port}"
@@ -100,7 +115,8 @@ def postgres_server() -> Iterator[PostgresServer]:
         shutil.rmtree(base, ignore_errors=True)
         raise
     try:
-        yield PostgresServer(bin_dir=PG_BIN, socket_dir=sockets, port=PG_PORT)
+        yield PostgresServer(bin_dir=PG_BIN, socket_dir=sockets, port=PG_PORT, data_dir=data, log=log, options=options,
+                             os_user=user)
     finally:
         subprocess.run(_as_user(user, pg_ctl, "-D", data, "-m", "fast", "-w", "stop"), cwd=base, capture_output=True)
         shutil.rmtree(base, ignore_errors=True)

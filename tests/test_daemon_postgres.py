@@ -34,3 +34,31 @@ def test_a_session_continues_on_a_second_daemon_sharing_the_store(postgres_serve
     assert [m["content"] for m in messages[:2]] == ["Name a colour.", first_reply]
     assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
     assert all(m["status"] == "complete" for m in messages)
+
+
+def test_with_postgres_down_chats_go_on_sessions_get_a_clear_503_and_it_recovers_without_restart(postgres_server):
+    env = {"KVTIERD_STORE_URL": postgres_server.create_database("kvtierd_outage")}
+    turn = {"max_tokens": 4, "temperature": 0}
+    with tempfile.TemporaryDirectory(prefix="kvtpg-") as root:
+        d = start_daemon(Path(root) / "a", env=env)
+        try:
+            with d.client() as c:
+                sid = c.post("/v1/sessions", json={}).json()["id"]
+                assert c.post(f"/v1/sessions/{sid}/messages", json={"content": "Hi", **turn}).status_code == 200
+                postgres_server.stop()
+                try:
+                    stateless = c.post("/v1/chat/completions", json={
+                        "messages": [{"role": "user", "content": "Still there?"}], **turn})
+                    assert stateless.status_code == 200  # no store needed: served
+                    refused = c.post(f"/v1/sessions/{sid}/messages", json={"content": "Lost?", **turn})
+                    assert refused.status_code == 503 and "Retry-After" in refused.headers
+                    assert "session store" in refused.json()["error"]["message"]
+                    assert c.get(f"/v1/sessions/{sid}").status_code == 503
+                finally:
+                    postgres_server.start()
+                again = c.post(f"/v1/sessions/{sid}/messages", json={"content": "Back?", **turn})
+                assert again.status_code == 200, again.text
+                messages = c.get(f"/v1/sessions/{sid}").json()["messages"]
+                assert [m["content"] for m in messages if m["role"] == "user"] == ["Hi", "Back?"]
+        finally:
+            assert d.stop() == 0

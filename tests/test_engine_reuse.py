@@ -7,31 +7,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from engine_runs import assert_same_output, run_one, tokens
 
 from kvtierd.engine.llm_engine import PUBLIC_NAMESPACE
-from kvtierd.engine.sampling_params import SamplingParams
 
-PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=2)
 SYSTEM = {"role": "system", "content": "You are a terse assistant for a KV-cache daemon. " * 3}
-
-
-def run_one(engine, prompt, tenant="", session_id=None, tag=None):
-    rid = engine.add_request(prompt, PARAMS, tenant=tenant, session_id=session_id, tag=tag)
-    outs = []
-    while engine.has_unfinished():
-        outs += [o for o in engine.step() if o.request_id == rid]
-    return outs
-
-
-def tokens(outs):
-    return [t for o in outs for t in o.token_ids]
-
-
-def assert_same_output(warm, cold):
-    assert tokens(warm) == tokens(cold)
-    for w, c in zip(warm, cold):
-        assert w.logprobs[0].logprob == pytest.approx(c.logprobs[0].logprob, abs=1e-3)
-        assert [t for t, _ in w.logprobs[0].top] == [t for t, _ in c.logprobs[0].top]
 
 
 @pytest.fixture

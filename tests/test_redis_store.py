@@ -347,3 +347,25 @@ def test_a_sentinel_url_reaches_the_master(redis_factory: RedisFactory) -> None:
     with master.client() as raw:
         assert raw.exists(name_of(store, key(1)))
     store.close()
+
+
+def test_the_fleet_epoch_starts_at_zero_and_moves_for_every_store_of_the_keyspace(server: RedisServer) -> None:
+    a, b = make_store(server.url), make_store(server.url)
+    try:
+        assert a.read_epoch() == b.read_epoch() == 0
+        assert a.bump_epoch() == 1
+        assert b.read_epoch() == 1  # another host sees it
+        other = make_store(server.url, RedisKeyspace("other-fleet", "model-a", KEYSPACE.geometry, 16))
+        assert other.read_epoch() == 0
+        other.close()
+    finally:
+        a.close()
+        b.close()
+
+
+def test_the_epoch_of_a_server_that_is_down_is_unknown(redis_factory: RedisFactory) -> None:
+    server = redis_factory.server()
+    s = make_store(server.url)
+    server.stop()
+    assert s.read_epoch() is None and s.bump_epoch() is None
+    s.close()

@@ -4,34 +4,22 @@ logprobs equal the same prompt computed from scratch."""
 
 from __future__ import annotations
 
+from functools import partial
+
+import engine_runs
 import pytest
+from engine_runs import assert_same_output, tokens
 
 from kvtierd.cache.block_hash import hash_full_blocks
 from kvtierd.engine.sampling_params import SamplingParams
 from kvtierd.tiers.config import TierConfig
 
-PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2)
+# Replies of 8 tokens: the chain lengths the assertions below count on.
+run_one = partial(engine_runs.run_one, params=SamplingParams(max_tokens=8, temperature=0.0, logprobs=True,
+                                                             top_logprobs=2))
+
 KV_TOKENS = 320  # 20 pages: two other prompts of ~150 tokens push the first one out
 TOPICS = ("the block pool and its pages", "the scheduler and its token budget", "the disk store and its LRU")
-
-
-def run_one(engine, prompt, session_id=None):
-    rid = engine.add_request(prompt, PARAMS, session_id=session_id)
-    outs = []
-    while engine.has_unfinished():
-        outs += [o for o in engine.step() if o.request_id == rid]
-    return outs
-
-
-def tokens(outs):
-    return [t for o in outs for t in o.token_ids]
-
-
-def assert_same_output(warm, cold):
-    assert tokens(warm) == tokens(cold)
-    for w, c in zip(warm, cold):
-        assert w.logprobs[0].logprob == pytest.approx(c.logprobs[0].logprob, abs=1e-3)
-        assert [t for t, _ in w.logprobs[0].top] == [t for t, _ in c.logprobs[0].top]
 
 
 def ask(tok, topic: str) -> list[int]:

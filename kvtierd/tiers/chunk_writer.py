@@ -1,10 +1,11 @@
-"""The disk tier's writer: one thread that encodes chunks and commits them, in submission order.
+"""A lower tier's writer: one thread that encodes chunks and stores them, in submission order.
 
 The engine thread only copies KV out of the device (into a CPU tensor it hands
-over) and returns; zstd and LMDB's fsync happen here. One thread is enough:
-LMDB serializes writers anyway, and order matters (a session's delete must
-land after its earlier writes). Copies waiting here are bounded in bytes: past
-`max_pending_bytes` new ones are dropped and counted, never waited for.
+over) and returns; zstd and the store's I/O (LMDB's fsync, Redis round trips)
+happen here. One thread per store is enough: LMDB serializes writers anyway,
+and order matters (a session's delete must land after its earlier writes).
+Copies waiting here are bounded in bytes: past `max_pending_bytes` new ones
+are dropped and counted, never waited for.
 """
 
 from __future__ import annotations
@@ -17,18 +18,20 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from kvtierd.storage.disk_store import DiskStore
+from kvtierd.storage.redis_store import RedisStore
 from kvtierd.storage.kv_frame import ChunkIdentity, encode_frame
 from kvtierd.storage.store_errors import StoreUnavailableError
 
 log = logging.getLogger(__name__)
 
 
-class DiskWriter:
-    def __init__(self, store: DiskStore, codec: str, max_pending_bytes: int) -> None:
+class ChunkWriter:
+    def __init__(self, tier: str, store: DiskStore | RedisStore, codec: str, max_pending_bytes: int) -> None:
+        self.tier = tier
         self.store = store
         self.codec = codec
         self.max_pending_bytes = max_pending_bytes
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtierd-disk")
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtierd-{tier}")
         self._lock = threading.Lock()
         self._pending: dict[bytes, int] = {}  # key -> bytes of its copy, until committed
         self._pending_bytes = 0
@@ -91,7 +94,7 @@ class DiskWriter:
                      for key, identity, kv in chunks]
             stored = bool(self._guarded(lambda: self.store.put_many(items)))
         except Exception:  # a bug, not the disk: the executor would swallow it silently
-            log.exception("writing %d chunk(s) to the disk KV tier failed", len(chunks))
+            log.exception("writing %d chunk(s) to the %s KV tier failed", len(chunks), self.tier)
         finally:
             with self._lock:
                 for key, _, _ in chunks:
@@ -113,6 +116,6 @@ class DiskWriter:
             return fn()
         except StoreUnavailableError as e:
             if self.failure is None:
-                log.error("disk KV tier failed, continuing without it: %s", e)
+                log.error("%s KV tier failed, continuing without it: %s", self.tier, e)
             self.failure = str(e)
             return default

@@ -1,4 +1,4 @@
-"""What the lower tiers are given: budgets, chunk size, codec, where the disk store lives."""
+"""What the lower tiers are given: budgets, chunk size, codecs, where the disk store lives, the fleet's Redis."""
 
 from __future__ import annotations
 
@@ -11,6 +11,30 @@ from kvtierd.storage.codecs import CODEC_NAMES
 #   reused  chunks with a page hit at least once (sessions are written as their turns end anyway)
 #   all     every evicted chunk
 DISK_ADMISSIONS = ("reused", "all")
+# What the remote (fleet) tier shares besides evicted chunks the disk would take and session turns:
+#   all       the full chunks of every finished request: a document computed on one host serves all
+#   sessions  session turns only
+REMOTE_ADMISSIONS = ("all", "sessions")
+
+
+@dataclass(frozen=True, slots=True)
+class RemoteConfig:
+    """A Valkey/Redis shared by a fleet (storage/redis_store.py)."""
+
+    url: str  # redis://, rediss://, unix://, redis+sentinel://, redis+cluster://
+    secret: bytes  # seals every value (HMAC): hosts without it cannot plant KV
+    fleet: str = "default"  # hosts share what they store under one fleet name
+    ttl_s: int = 86400
+    connect_timeout_ms: int = 200
+    op_timeout_ms: int = 500
+    codec: str = "zstd-planes"
+    admission: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.admission not in REMOTE_ADMISSIONS:
+            raise ValueError(f"remote admission must be one of {', '.join(REMOTE_ADMISSIONS)}")
+        if self.codec not in CODEC_NAMES:
+            raise ValueError(f"remote codec must be one of {', '.join(CODEC_NAMES)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +45,8 @@ class TierConfig:
     chunk_pages: int = 16  # pages per stored chunk
     disk_codec: str = "zstd-planes"
     disk_admission: str = "reused"
-    max_pending_disk_bytes: int = 256 << 20  # chunk copies waiting for the disk writer; past it new ones are dropped
+    max_pending_disk_bytes: int = 256 << 20  # chunk copies waiting for a writer; past it new ones are dropped
+    remote: RemoteConfig | None = None  # the fleet's shared tier (None: none)
 
     def __post_init__(self) -> None:
         if self.host_bytes < 0 or self.disk_bytes < 0:

@@ -1,19 +1,23 @@
 """The tier manager: saves device pages below as chunks, finds a prompt's stored chunks, loads them back.
 
     device pages --save--> host slab   raw frames, on the calling thread (a memory copy)
-                      \\-->  disk        zstd-planes frames, encoded and committed by the DiskWriter thread
-    host / disk  --load--> fresh device pages, on the engine thread (synchronous in this slice)
+                      \\-->  disk        zstd-planes frames, encoded and committed by the disk's writer thread
+                      \\-->  remote      zstd-planes frames, sealed and sent by the remote's writer thread
+    host / disk / remote --load--> fresh device pages, on the engine thread (synchronous in this slice)
 
 Every value is a kv_frame, host ones too (raw codec): a load compares its
 geometry, namespace, block hashes and token ids with the chunk the prompt
 asks for, so a hash collision or a damaged value is a miss, never wrong KV.
-A bad disk value is quarantined, a bad host value dropped.
+A bad disk or remote value is quarantined, a bad host value dropped.
 
-Keys are `Epoch.key(hash of the chunk's last page)`; `chunk.py` has the
-scheme. Either store may be absent (turned off, or the disk store could not
-open): the manager then works with the other, and says why in its stats.
-It is called from the engine thread, or from the event loop between steps;
-only the DiskWriter's thread runs beside it.
+Keys are `Epoch.key(hash of the chunk's last page)` on host and disk;
+`chunk.py` has the scheme. The remote tier is shared by hosts, so its keys
+mix in the fleet's epoch instead, kept in Redis: an invalidation on one host
+starts a new fleet epoch, which the others read within `FLEET_EPOCH_REFRESH_S`.
+Any store may be absent (turned off, or it could not open): the manager then
+works with the others, and says why in its stats. It is called from the
+engine thread, or from the event loop between steps; only the writers'
+threads run beside it.
 """
 
 from __future__ import annotations
@@ -28,11 +32,14 @@ from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.host_store import HostStore
 from kvtierd.storage.kv_frame import ChunkIdentity, decode_frame, encode_frame, frame_nbytes
+from kvtierd.storage.redis_keyspace import RedisKeyspace
+from kvtierd.storage.redis_store import RedisStore
 from kvtierd.storage.store_errors import CorruptValueError, StoreUnavailableError
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, FoundChunk
+from kvtierd.tiers.chunk_writer import ChunkWriter
 from kvtierd.tiers.config import TierConfig
-from kvtierd.tiers.disk_writer import DiskWriter
 from kvtierd.tiers.epoch import Epoch
+from kvtierd.tiers.fleet_epoch import FleetEpoch
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +57,7 @@ class TierCounts:
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
-    name: str  # "host" or "disk"
+    name: str  # "host", "disk" or "remote"
     enabled: bool  # the store is there (not turned off, and it opened)
     healthy: bool
     reason: str | None  # why it is off or unhealthy
@@ -60,15 +67,15 @@ class TierStats:
     hits: int
     hit_tokens: int
     writes: int
-    pending_writes: int  # disk: chunks copied out, not yet committed
-    dropped_writes: int  # disk: chunks not written (queue full or store failed)
+    pending_writes: int  # disk, remote: chunks copied out, not yet stored
+    dropped_writes: int  # disk, remote: chunks not written (queue full or store failed)
     evictions: int  # values the store dropped for room
     corrupt: int
     pinned: bool  # host: page-locked memory
 
 
 class TierManager:
-    def __init__(self, config: TierConfig, device: DeviceKVPool) -> None:
+    def __init__(self, config: TierConfig, device: DeviceKVPool, model_fingerprint: str = "") -> None:
         self.config = config
         self.chunk_pages = config.chunk_pages
         self._device = device
@@ -85,22 +92,42 @@ class TierManager:
                 log.warning("serving without the host KV tier: %s", e)
         self.disk: DiskStore | None = None
         self.disk_reason: str | None = None
-        self._writer: DiskWriter | None = None
+        self._writer: ChunkWriter | None = None
         if not config.disk_bytes or config.disk_path is None:
             self.disk_reason = "off: disk_bytes is 0" if not config.disk_bytes else "off: no directory given"
         else:
             try:
                 self.disk = DiskStore(config.disk_path, map_size=config.disk_bytes)
-                self._writer = DiskWriter(self.disk, config.disk_codec, config.max_pending_disk_bytes)
+                self._writer = ChunkWriter("disk", self.disk, config.disk_codec, config.max_pending_disk_bytes)
             except StoreUnavailableError as e:
                 self.disk_reason = str(e)
                 log.warning("serving without the disk KV tier: %s", e)
         self.epoch = Epoch(config.disk_path if self.disk is not None else None)
-        self.counts = {"host": TierCounts(), "disk": TierCounts()}
+        self.remote: RedisStore | None = None
+        self._remote_writer: ChunkWriter | None = None
+        self._fleet_epoch: FleetEpoch | None = None
+        if config.remote is not None:
+            r = config.remote
+            keyspace = RedisKeyspace(r.fleet, model_fingerprint, self._geometry, config.chunk_pages)
+            self.remote = RedisStore(r.url, keyspace, r.secret, ttl_s=r.ttl_s, connect_timeout_ms=r.connect_timeout_ms,
+                                     op_timeout_ms=r.op_timeout_ms)
+            self._remote_writer = ChunkWriter("remote", self.remote, r.codec, config.max_pending_disk_bytes)
+            self._fleet_epoch = FleetEpoch(self.remote)
+        self.counts = {"host": TierCounts(), "disk": TierCounts(), "remote": TierCounts()}
 
     @property
     def has_disk(self) -> bool:
         return self._writer is not None and self._writer.failure is None
+
+    @property
+    def can_write_through(self) -> bool:
+        """A tier that outlives this process (disk) or this host (remote) is there."""
+        return self.has_disk or self.remote is not None
+
+    @property
+    def shares_every_request(self) -> bool:
+        """Finished requests' chunks go to the fleet, not only sessions'."""
+        return self.remote is not None and self.config.remote.admission == "all"
 
     # -- finding and loading -----------------------------------------------------------------
 
@@ -117,12 +144,12 @@ class TierManager:
         n, m = self.chunk_pages, len(block_hashes)
         pos = start - start % n
         ends = range(pos + n, m + 1, n)
-        keys = [self.epoch.key(block_hashes[e - 1]) for e in ends]
+        last_hashes = [block_hashes[e - 1] for e in ends]
         found: list[FoundChunk] = []
         i = 0
-        while i < len(keys):  # whole chunks: one call per tier and run
+        while i < len(last_hashes):  # whole chunks: one call per tier and run
             for tier, contains in stores:
-                k = contains(keys[i:])
+                k = contains(last_hashes[i:])
                 if k:
                     found += [FoundChunk(tier, self._span(namespace, block_hashes, token_ids, e - n, e))
                               for e in ends[i : i + k]]
@@ -133,8 +160,7 @@ class TierManager:
         pos += i * n
         # Then the chain's partial last chunk, if one was stored here: the longest first.
         for end in range(min(pos + n - 1, m), max(pos, start), -1):
-            key = [self.epoch.key(block_hashes[end - 1])]
-            tier = next((t for t, contains in stores if contains(key)), None)
+            tier = next((t for t, contains in stores if contains([block_hashes[end - 1]])), None)
             if tier is not None:
                 found.append(FoundChunk(tier, self._span(namespace, block_hashes, token_ids, pos, end)))
                 break
@@ -144,11 +170,15 @@ class TierManager:
         """Copies pages `skip`.. of a found chunk into the device pages `block_ids`. False when the value
         is gone (evicted since the lookup) or fails its checks."""
         span, tier = found.span, found.tier
-        key = self.epoch.key(span.last_hash)
+        key = self._key(tier, span.last_hash)
+        if key is None:
+            return False
         if tier == "host":
             value = self.host.get_many([key])[0] if self.host is not None else None
-        else:
+        elif tier == "disk":
             value = self._writer.call(lambda: self.disk.get_many([key])[0], None) if self.has_disk else None
+        else:
+            value = self.remote.get_many([key])[0]  # bounded by the store's timeout and circuit breaker
         if value is None:
             return False
         try:
@@ -159,11 +189,13 @@ class TierManager:
             if tier == "host":
                 self.host.delete_many([key])
             else:
-                self._writer.quarantine(key, str(e))
+                (self._writer if tier == "disk" else self._remote_writer).quarantine(key, str(e))
             return False
         g = self._geometry
         kv = torch.frombuffer(bytearray(chunk.payload), dtype=torch.uint8).view(g.dtype).view(self._shape(span.num_pages))
         self._scatter(kv[:, :, skip:], block_ids)
+        if tier == "remote":
+            self._fleet_epoch.remember(key)  # the fleet has it: no need to send it back
         counts = self.counts[tier]
         counts.hits += 1
         counts.hit_tokens += len(block_ids) * g.block_size
@@ -172,35 +204,47 @@ class TierManager:
     # -- saving --------------------------------------------------------------------------------
 
     def demote(self, copies: Sequence[ChunkCopy]) -> None:
-        """Saves chunks of pages evicted from the device: each to the host tier, and to disk those the
-        admission policy takes. Call before the pages are written again; returns once they may be."""
+        """Saves chunks of pages evicted from the device: each to the host tier, and to disk and the
+        fleet those the disk admission policy takes. Call before the pages are written again; returns
+        once they may be."""
         take_all = self.config.disk_admission == "all"
-        self._save(copies, host=True, disk=lambda c: take_all or c.hits > 0)
 
-    def write_through(self, copies: Sequence[ChunkCopy], wait_for_room: bool = False) -> bool:
-        """Saves chunks to the disk tier (a session's finished turn, the shutdown flush), to outlive the
-        process. The copy out of the device happens now; encoding and the commit on the writer thread.
+        def admitted(c: ChunkCopy) -> bool:
+            return take_all or c.hits > 0
 
-        When the writer's queue is full, the rest are dropped (counted); with `wait_for_room` they are
-        left instead and False returned: call `wait()` (off the event loop) and again."""
-        if not self.has_disk:
-            return True
-        return self._save(copies, host=False, disk=lambda c: True, stop_when_full=wait_for_room)
+        self._save(copies, host=True, disk=admitted, remote=admitted)
+
+    def write_through(self, copies: Sequence[ChunkCopy], wait_for_room: bool = False, session: bool = True) -> bool:
+        """Saves chunks to outlive the process (a session's finished turn, the shutdown flush: disk and
+        the fleet) or to share them with the fleet (any finished request, with remote admission "all").
+        The copy out of the device happens now; encoding and storing on the writers' threads.
+
+        When the disk writer's queue is full, the rest are dropped (counted); with `wait_for_room` they
+        are left instead and False returned: call `wait()` (off the event loop) and again."""
+        shared = session or self.shares_every_request
+        return self._save(copies, host=False, disk=lambda c: session, remote=lambda c: shared,
+                          stop_when_full=wait_for_room)
 
     def _save(self, copies: Sequence[ChunkCopy], host: bool, disk: Callable[[ChunkCopy], bool],
-              stop_when_full: bool = False) -> bool:
+              remote: Callable[[ChunkCopy], bool], stop_when_full: bool = False) -> bool:
         done = True
         for c in copies:
             key = self.epoch.key(c.span.last_hash)
+            nbytes = len(c.block_ids) * self._geometry.bytes_per_block
             to_host = host and self.host is not None and not self.host.contains_prefix([key])
             to_disk = self.has_disk and disk(c) and not self._writer.has(key)
-            if to_disk and not self._writer.has_room(len(c.block_ids) * self._geometry.bytes_per_block):
+            if to_disk and not self._writer.has_room(nbytes):
                 to_disk = False
                 if stop_when_full:
                     done = False
                     break
                 self._writer.note_dropped()
-            if not (to_host or to_disk):
+            remote_key = self._key("remote", c.span.last_hash) if remote(c) else None
+            to_remote = remote_key is not None and not self._fleet_epoch.knows(remote_key)
+            if to_remote and not self._remote_writer.has_room(nbytes):
+                to_remote = False
+                self._remote_writer.note_dropped()
+            if not (to_host or to_disk or to_remote):
                 continue
             kv = self._gather(c.block_ids)
             identity = c.span.identity(self._geometry)
@@ -209,6 +253,9 @@ class TierManager:
                 self.counts["host"].writes += 1
             if to_disk:
                 self._writer.submit(key, identity, kv)  # one transaction per chunk: chunks are megabytes
+            if to_remote:
+                self._remote_writer.submit(remote_key, identity, kv)
+                self._fleet_epoch.remember(remote_key)
         return done
 
     # -- forgetting ----------------------------------------------------------------------------
@@ -221,23 +268,34 @@ class TierManager:
             self.host.delete_many(keys)
         if keys and self.has_disk:
             self._writer.delete(keys)
+        remote_keys = [k for k in (self._key("remote", h) for h in block_hashes) if k is not None]
+        if remote_keys:
+            self._fleet_epoch.forget(remote_keys)
+            self._remote_writer.delete(remote_keys)
 
     def invalidate_all(self) -> None:
-        """Makes everything stored so far unreachable (a new epoch); the LRU reclaims its room."""
+        """Makes everything stored so far unreachable (a new epoch, here and in the fleet); the LRU
+        reclaims its room."""
         value = self.epoch.renew()
         if self._writer is not None:
             self._writer.run(lambda: self.epoch.save(value))
+        if self._fleet_epoch is not None:
+            self._fleet_epoch.bump()  # one INCR, bounded by the store's timeout
 
     # -- lifetime and reports ------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Blocks until the disk writes queued so far are committed (never call it on the event loop)."""
-        if self._writer is not None:
-            self._writer.wait()
+        """Blocks until the writes queued so far are stored (never call it on the event loop)."""
+        for writer in (self._writer, self._remote_writer):
+            if writer is not None:
+                writer.wait()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
+        for writer in (self._writer, self._remote_writer):
+            if writer is not None:
+                writer.close()
+        if self.remote is not None:
+            self.remote.close()
         if self.disk is not None:
             try:
                 self.disk.close()
@@ -247,7 +305,7 @@ class TierManager:
             self.host.close()
 
     def stats(self) -> list[TierStats]:
-        return [self._host_stats(), self._disk_stats()]
+        return [self._host_stats(), self._disk_stats()] + ([self._remote_stats()] if self.remote is not None else [])
 
     def _host_stats(self) -> TierStats:
         c = self.counts["host"]
@@ -268,16 +326,38 @@ class TierManager:
                          c.hits, c.hit_tokens, w.num_written, w.num_pending, w.num_dropped, s.num_evictions,
                          s.num_corrupt, False)
 
+    def _remote_stats(self) -> TierStats:
+        c, w = self.counts["remote"], self._remote_writer
+        s = self.remote.stats()
+        healthy = s.healthy and self._fleet_epoch.value is not None
+        reason = s.reason or (None if healthy else "the fleet's epoch could not be read yet")
+        return TierStats("remote", True, healthy, reason, s.capacity_bytes, s.bytes_used, s.num_entries, c.hits,
+                         c.hit_tokens, w.num_written, w.num_pending, w.num_dropped, s.num_evictions, s.num_corrupt,
+                         False)
+
     # -- internals -----------------------------------------------------------------------------
 
+    def _key(self, tier: str, block_hash: bytes) -> bytes | None:
+        """A chunk's key in `tier`; None for the remote tier while the fleet's epoch is unknown."""
+        if tier == "remote":
+            return self._fleet_epoch.key(block_hash) if self._fleet_epoch is not None else None
+        return self.epoch.key(block_hash)
+
     def _stores(self) -> list[tuple[str, Callable[[Sequence[bytes]], int]]]:
-        """(tier, contains_prefix) of each usable store, host first: the faster one serves a chunk both hold."""
+        """(tier, contains_prefix over last-page hashes) of each usable store, nearest first: the
+        fastest serves a chunk several hold."""
         stores: list[tuple[str, Callable[[Sequence[bytes]], int]]] = []
+        key = self.epoch.key
         if self.host is not None:
-            stores.append(("host", self.host.contains_prefix))
+            host = self.host
+            stores.append(("host", lambda hashes: host.contains_prefix([key(h) for h in hashes])))
         if self.has_disk:
             disk, writer = self.disk, self._writer
-            stores.append(("disk", lambda keys: int(writer.call(lambda: disk.contains_prefix(keys), 0))))
+            stores.append(("disk", lambda hashes: int(writer.call(
+                lambda: disk.contains_prefix([key(h) for h in hashes]), 0))))
+        if self._fleet_epoch is not None and self._fleet_epoch.refresh() is not None:
+            remote, fleet = self.remote, self._fleet_epoch
+            stores.append(("remote", lambda hashes: remote.contains_prefix([fleet.key(h) for h in hashes])))
         return stores
 
     def _span(self, namespace: bytes, block_hashes: Sequence[bytes], token_ids: Sequence[int], start: int,

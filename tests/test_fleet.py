@@ -1,0 +1,149 @@
+"""Two daemons as two hosts of a fleet: one real redis-server as the shared remote
+tier, one real PostgreSQL as the shared session store, each daemon with its own
+socket and state dir. KV computed on one host serves the other, sessions move
+between hosts, tenants stay apart, Redis going away loses no request, and a value
+tampered with in Redis is never served.
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon_fixtures import Daemon, start_daemon
+
+GREEDY = {"temperature": 0, "max_tokens": 6, "logprobs": True}
+DOC = "Fleet notes: every host keeps its own device pages, and the remote tier holds chunks for all. " * 10
+
+
+@pytest.fixture(scope="module")
+def fleet(redis_server, postgres_server) -> Iterator[tuple[Daemon, Daemon]]:
+    with tempfile.TemporaryDirectory(prefix="kvtfl-") as root:
+        secret = Path(root) / "fleet.key"
+        secret.write_text("a fleet secret of at least sixteen bytes\n")
+        env = {"KVTIERD_REMOTE_URL": redis_server.url, "KVTIERD_REMOTE_SECRET_FILE": str(secret),
+               "KVTIERD_STORE_URL": postgres_server.create_database("kvtierd_fleet"),
+               "KVTIERD_REMOTE_OP_TIMEOUT_MS": "300"}
+        a = start_daemon(Path(root) / "a", env=env)
+        b = start_daemon(Path(root) / "b", env=env)
+        yield a, b
+        assert a.stop() == 0, a.log_text()
+        assert b.stop() == 0, b.log_text()
+
+
+def chat(daemon: Daemon, tenant: str, messages: list[dict], **extra) -> dict:
+    with daemon.client(**{"X-Kvtierd-Tenant": tenant}) as c:
+        r = c.post("/v1/chat/completions", json={"messages": messages, **GREEDY, **extra})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def remote_tier(daemon: Daemon) -> dict:
+    with daemon.client() as c:
+        return next(t for t in c.get("/admin/tiers").json()["tiers"] if t["name"] == "remote")
+
+
+def settled(daemon: Daemon, timeout: float = 30) -> None:
+    """Waits until the daemon's remote writes are stored."""
+    deadline = time.monotonic() + timeout
+    while remote_tier(daemon)["pending_writes"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert remote_tier(daemon)["pending_writes"] == 0
+
+
+def by_tier(reply: dict) -> dict:
+    return reply["kvtierd"]["cached_tokens_by_tier"]
+
+
+def same_reply(x: dict, y: dict) -> bool:
+    lx = [t["logprob"] for t in x["choices"][0]["logprobs"]["content"]]
+    ly = [t["logprob"] for t in y["choices"][0]["logprobs"]["content"]]
+    return x["choices"][0]["message"]["content"] == y["choices"][0]["message"]["content"] and \
+        lx == pytest.approx(ly, abs=1e-3)
+
+
+def ask(question: str) -> list[dict]:
+    return [{"role": "user", "content": DOC + question}]
+
+
+def test_a_document_computed_on_one_host_is_served_from_the_remote_tier_on_the_other(fleet):
+    a, b = fleet
+    cold = chat(a, "fl-doc", ask("What does each host keep?"))
+    assert by_tier(cold)["remote"] == 0 and cold["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    settled(a)
+    warm = chat(b, "fl-doc", ask("What does each host keep?"))
+    assert by_tier(warm)["remote"] >= 224 and by_tier(warm)["device"] == 0
+    assert same_reply(warm, cold)
+    assert remote_tier(b)["healthy"] and remote_tier(b)["hit_tokens"] >= 224
+
+
+def test_tenants_stay_apart_across_hosts(fleet):
+    a, b = fleet
+    chat(a, "fl-iso-1", ask("Isolation?"))
+    settled(a)
+    other = chat(b, "fl-iso-2", ask("Isolation?"))
+    assert other["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
+def test_a_session_started_on_one_host_continues_on_the_other_with_its_kv(fleet):
+    a, b = fleet
+    headers = {"X-Kvtierd-Tenant": "fl-sess"}
+    with a.client(**headers) as c:
+        sid = c.post("/v1/sessions", json={"system_prompt": "You answer about fleets."}).json()["id"]
+        for q in ("What is a fleet?", DOC + "Summarise the notes."):
+            assert c.post(f"/v1/sessions/{sid}/messages", json={"content": q, **GREEDY}).status_code == 200
+    settled(a)
+    with b.client(**headers) as c:
+        r = c.post(f"/v1/sessions/{sid}/messages", json={"content": "And the device pages?", **GREEDY}).json()
+        history = c.get(f"/v1/sessions/{sid}").json()["messages"]
+    assert len(history) == 6 and history[2]["content"].startswith("Fleet notes")
+    assert by_tier(r)["remote"] >= 224 and r["usage"]["prompt_tokens_details"]["cached_tokens"] >= 0.8 * \
+        r["usage"]["prompt_tokens"]
+
+
+def test_a_value_tampered_with_in_redis_is_never_served(fleet, redis_server):
+    a, b = fleet
+    cold = chat(a, "fl-tamper", ask("Tampered?"))
+    settled(a)
+    with redis_server.client() as raw:
+        for name in raw.scan_iter(match=b"kvtierd:*"):
+            value = raw.get(name)
+            if value and len(value) > 1000:
+                raw.set(name, value[:500] + bytes([value[500] ^ 0xFF]) + value[501:], keepttl=True)
+    corrupt_before = remote_tier(b)["corrupt"]
+    warm = chat(b, "fl-tamper", ask("Tampered?"))
+    assert by_tier(warm)["remote"] == 0 and same_reply(warm, cold)
+    assert remote_tier(b)["corrupt"] > corrupt_before
+
+
+def test_redis_going_away_loses_no_request_and_its_return_brings_the_tier_back(fleet, redis_server):
+    a, b = fleet
+    redis_server.stop()
+    try:
+        t0 = time.monotonic()
+        for i in range(3):
+            chat(b, "fl-down", ask(f"Down {i}?"))
+        assert time.monotonic() - t0 < 60
+        tier = remote_tier(b)
+        assert not tier["healthy"] and tier["reason"]
+    finally:
+        redis_server.start()
+    chat(a, "fl-up", ask("Back?"))
+    deadline = time.monotonic() + 30
+    while not remote_tier(a)["healthy"] and time.monotonic() < deadline:
+        chat(a, "fl-up", ask("Back?"))
+        time.sleep(0.5)
+    settled(a)
+    warm = chat(b, "fl-up", ask("Back?"))
+    assert by_tier(warm)["remote"] > 0 or by_tier(warm)["device"] > 0
+
+
+def test_a_remote_tier_without_its_secret_refuses_to_start_in_one_line(redis_server, tmp_path):
+    d = start_daemon(tmp_path / "nosecret", env={"KVTIERD_REMOTE_URL": redis_server.url}, wait=False)
+    assert d.process.wait(120) == 2
+    log = d.log_text()
+    assert "error: remote_url needs remote_secret_file" in log and "Traceback" not in log
