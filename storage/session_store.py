@@ -22,7 +22,7 @@ from sqlalchemy.engine import URL, Engine
 from sqlalchemy.orm import sessionmaker
 
 from kvtierd.storage.sql_migrate import upgrade_to_head
-from kvtierd.storage.sql_models import MESSAGE_ROLES, MessageRow, SessionRow
+from kvtierd.storage.sql_models import MESSAGE_ROLES, MessageRow, PinRow, SessionRow
 from kvtierd.storage.store_errors import (
     SessionNotFoundError,
     SessionStoreError,
@@ -57,6 +57,17 @@ class MessageRecord:
     created_at: datetime  # timezone-aware UTC
     prompt_tokens: int | None
     completion_tokens: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class PinRecord:
+    id: str
+    tenant: str
+    kind: str  # "prefix" or "session"
+    session_id: str | None
+    token_ids: tuple[int, ...]  # a prefix pin's tokens
+    created_at: datetime  # timezone-aware UTC
+    expires_at: datetime | None  # timezone-aware UTC; None: until unpinned
 
 
 class SessionStore:
@@ -242,6 +253,30 @@ class SessionStore:
         query = sa.delete(SessionRow).where(_owned(session_id, tenant))
         with self._db_errors(), self._sessions.begin() as db:
             return db.connection().execute(query).rowcount == 1
+
+    # -- pins ----------------------------------------------------------------------
+
+    def save_pin(self, pin: PinRecord) -> None:
+        """Adds or replaces a pin."""
+        row = PinRow(id=pin.id, tenant=pin.tenant, kind=pin.kind, session_id=pin.session_id,
+                     token_ids=",".join(map(str, pin.token_ids)) or None, created_at=pin.created_at,
+                     expires_at=pin.expires_at)
+        with self._db_errors(), self._sessions.begin() as db:
+            db.merge(row)
+
+    def delete_pin(self, pin_id: str) -> bool:
+        with self._db_errors(), self._sessions.begin() as db:
+            return db.execute(sa.delete(PinRow).where(PinRow.id == pin_id)).rowcount > 0
+
+    def list_pins(self) -> list[PinRecord]:
+        """Every pin, oldest first; those past their expiry are deleted instead."""
+        now = _utcnow()
+        with self._db_errors(), self._sessions.begin() as db:
+            db.execute(sa.delete(PinRow).where(PinRow.expires_at <= now))
+            rows = db.scalars(sa.select(PinRow).order_by(PinRow.created_at, PinRow.id))
+            return [PinRecord(r.id, r.tenant, r.kind, r.session_id,
+                              tuple(int(t) for t in r.token_ids.split(",")) if r.token_ids else (),
+                              r.created_at, r.expires_at) for r in rows]
 
     @contextmanager
     def _db_errors(self) -> Iterator[None]:

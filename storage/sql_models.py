@@ -1,4 +1,4 @@
-"""SQL schema of the chat-session store: sessions and their messages.
+"""SQL schema of the chat-session store: sessions, their messages, and pins.
 
 The migrations in `kvtierd.migrations` create these tables; this module is the
 ORM view of them (and the target of `alembic revision --autogenerate`).
@@ -89,3 +89,19 @@ class MessageRow(Base):
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     prompt_tokens: Mapped[int | None] = mapped_column(sa.Integer)
     completion_tokens: Mapped[int | None] = mapped_column(sa.Integer)
+
+
+class PinRow(Base):
+    """A pinned prefix (its token ids) or session, kept on the device and restored at startup."""
+
+    __tablename__ = "pins"
+    __table_args__ = (sa.CheckConstraint("kind IN ('prefix', 'session')", name="kind"),)
+
+    id: Mapped[str] = mapped_column(sa.Text, primary_key=True)
+    tenant: Mapped[str] = mapped_column(sa.Text)
+    kind: Mapped[str] = mapped_column(sa.Text)
+    session_id: Mapped[str | None] = mapped_column(sa.Text)
+    token_ids: Mapped[str | None] = mapped_column(sa.Text)  # comma-separated
+    tier: Mapped[str] = mapped_column(sa.Text, default="device", server_default="device")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from fake_clock import FakeClock
+
 from kvtierd.cache.block_hash import hash_full_blocks, namespace_root, rebase
 from kvtierd.cache.eviction import EVICTION_POLICIES
 from kvtierd.cache.kv_cache_manager import KVCacheManager
@@ -12,14 +14,6 @@ from kvtierd.cache.kv_cache_manager import KVCacheManager
 ROOT_A = namespace_root("model-1", "tenant-a")
 ROOT_B = namespace_root("model-1", "tenant-b")
 ROOT_P = namespace_root("model-1", "<public>")
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def manager(num_blocks: int = 8, **kw) -> KVCacheManager:
@@ -79,7 +73,7 @@ def test_sessions_never_cross_tenants():
 
 
 def test_an_idle_session_expires_and_takes_only_its_own_pages():
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     kv = manager(session_idle_ttl_s=60, clock=clock)
     doc = [9, 9, 9, 9, 8, 8, 8, 8]
     turn(kv, "other", doc + [1], session=None)  # pages 0, 1 indexed; its tail page 2 freed
@@ -166,7 +160,7 @@ def test_a_session_after_its_pages_were_invalidated_misses():
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_a_prefix_whose_hit_rate_falls_below_the_floor_expires(policy):
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     kv = manager(eviction_policy=policy, clock=clock, prefix_min_hits_per_hour=2)
     turn(kv, "hot", [1, 1, 1, 1, 0])
     turn(kv, "cold", [2, 2, 2, 2, 0])

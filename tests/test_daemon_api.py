@@ -102,7 +102,7 @@ def test_chat_completion_reports_usage_cache_and_timings(whole, model_id):
     assert usage.prompt_tokens_details.cached_tokens is not None
     assert 0 <= usage.prompt_tokens_details.cached_tokens < usage.prompt_tokens
     extra = whole.model_extra["kvtierd"]
-    assert extra["cached_tokens_by_tier"] == {"device": usage.prompt_tokens_details.cached_tokens, "host": 0, "disk": 0}
+    assert extra["cached_tokens_by_tier"] == {"device": usage.prompt_tokens_details.cached_tokens, "host": 0, "disk": 0, "remote": 0}
     assert extra["queue_ms"] >= 0 and extra["ttft_ms"] > 0
 
 
@@ -123,7 +123,7 @@ def test_include_usage_adds_a_final_usage_chunk(client, model_id, whole):
     assert last.usage.completion_tokens == whole.usage.completion_tokens
     cached = last.usage.prompt_tokens_details.cached_tokens
     assert cached > 0  # the same prompt ran before
-    assert last.model_extra["kvtierd"]["cached_tokens_by_tier"] == {"device": cached, "host": 0, "disk": 0}
+    assert last.model_extra["kvtierd"]["cached_tokens_by_tier"] == {"device": cached, "host": 0, "disk": 0, "remote": 0}
     assert "".join(c.choices[0].delta.content or "" for c in text_chunks) == whole.choices[0].message.content
 
 

@@ -8,6 +8,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from fake_clock import FakeClock
+
 from kvtierd.cache.block_hash import namespace_root
 from kvtierd.cache.eviction import EVICTION_POLICIES, make_policy
 from kvtierd.cache.kv_cache_manager import KVCacheManager, PrefixHit
@@ -16,14 +18,6 @@ from kvtierd.engine.config import EngineConfig
 ROOT_A = namespace_root("model-1", "tenant-a")
 ROOT_B = namespace_root("model-1", "tenant-b")
 ROOT_P = namespace_root("model-1", "<public>")
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def computed(kv: KVCacheManager, seq: str, tokens: list[int], root=ROOT_A) -> list[int]:
@@ -139,7 +133,7 @@ def test_the_policy_is_chosen_by_name():
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_an_idle_page_expires_after_the_ttl_without_a_use(policy):
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     kv = KVCacheManager(num_blocks=4, block_size=2, eviction_policy=policy, prefix_ttl_s=10.0, clock=clock)
     computed(kv, "a", [1, 2, 3, 4])
     kv.free("a")  # t = 0
@@ -156,7 +150,7 @@ def test_an_idle_page_expires_after_the_ttl_without_a_use(policy):
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_a_page_in_use_never_expires(policy):
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     kv = KVCacheManager(num_blocks=6, block_size=2, eviction_policy=policy, prefix_ttl_s=10.0, clock=clock)
     computed(kv, "a", [1, 2, 3])  # held from t = 0
     clock.now = 100.0
@@ -171,7 +165,7 @@ def test_a_page_in_use_never_expires(policy):
 
 @pytest.mark.parametrize("policy", EVICTION_POLICIES)
 def test_expire_sweeps_the_oldest_idle_pages_a_few_at_a_time(policy):
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     kv = KVCacheManager(num_blocks=6, block_size=2, eviction_policy=policy, prefix_ttl_s=10.0, clock=clock)
     for t, seq, tokens in [(0.0, "a", [1, 2]), (1.0, "b", [3, 4]), (2.0, "c", [5, 6])]:
         clock.now = t
@@ -188,7 +182,7 @@ def test_expire_sweeps_the_oldest_idle_pages_a_few_at_a_time(policy):
 
 
 def test_no_ttl_means_pages_never_expire():
-    clock = FakeClock()
+    clock = FakeClock(0.0)
     kv = KVCacheManager(num_blocks=4, block_size=2, clock=clock)
     computed(kv, "a", [1, 2, 3])
     kv.free("a")
@@ -238,7 +232,7 @@ class EvictionMachine(RuleBasedStateMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.clock = FakeClock()
+        self.clock = FakeClock(0.0)
         self.kv = KVCacheManager(num_blocks=8, block_size=3, eviction_policy=self.policy,
                                  prefix_ttl_s=self.TTL, clock=self.clock, public_root=ROOT_P)
         self.cells: dict[int, int] = {}  # slot -> token id: the "device"
@@ -249,10 +243,10 @@ class EvictionMachine(RuleBasedStateMachine):
         pool = self.kv.pool
         allocate = pool.allocate
 
-        def checked_allocate(n: int) -> list[int] | None:
+        def checked_allocate(n: int, high: bool = False) -> list[int] | None:
             idle = {b: pool.page_info(b) for b in pool.idle_cached_blocks()}
             num_uncached = pool.num_free_blocks - len(idle)
-            taken = allocate(n)
+            taken = allocate(n, high)
             if taken is not None:
                 self._check_taken(taken, idle, num_uncached)
             return taken

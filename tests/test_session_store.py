@@ -78,7 +78,7 @@ def test_migrations_create_the_tables_and_rerunning_is_a_no_op(store_url: str) -
     engine = sa.create_engine(store_url)
     try:
         inspector = sa.inspect(engine)
-        assert {"sessions", "messages", "alembic_version"} <= set(inspector.get_table_names())
+        assert {"sessions", "messages", "pins", "alembic_version"} <= set(inspector.get_table_names())
         assert {c["name"] for c in inspector.get_columns("sessions")} == {
             "id", "tenant", "qos_class", "title", "system_prompt",
             "created_at", "last_used_at", "token_count", "pinned",
@@ -93,7 +93,7 @@ def test_migrations_create_the_tables_and_rerunning_is_a_no_op(store_url: str) -
         assert fk["referred_table"] == "sessions"
         assert fk["options"].get("ondelete") == "CASCADE"
         with engine.connect() as conn:
-            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0002"]
+            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0003"]
     finally:
         engine.dispose()
 

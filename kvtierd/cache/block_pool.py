@@ -29,6 +29,14 @@ once per page as its tail shrinks. The pages keep their KV until someone
 writes into them: the cache manager saves the log below before that
 (`KVCacheManager.demote_evicted`).
 
+QoS: pages held by high-class sequences are counted (`num_high_blocks`),
+and a reserved region (`cache/reserved_region.py`) keeps the unused part of
+the reserve out of reach of lower-class allocations.
+
+Pins: a pinned page is never evicted, expired or handed out while pinned,
+held or not: when idle it stays out of the free pages. Invalidation still
+unindexes it (stale KV is never served); it stays pinned until unpinned.
+
 Running out of pages is a normal outcome (`allocate` returns None and the
 caller waits or preempts); a broken count is a bug and asserts.
 """
@@ -42,6 +50,7 @@ from dataclasses import dataclass
 
 from kvtierd.cache.block_hash import BlockHash
 from kvtierd.cache.eviction import EvictionCounts, EvictionPolicy, IdlePage, make_policy
+from kvtierd.cache.reserved_region import ReservedRegion
 
 
 HOUR_S = 3600.0
@@ -110,6 +119,10 @@ class BlockPool:
         self.evictions = EvictionCounts()
         self.chunk_pages = 0  # > 0 when lower tiers take evicted chunks
         self.evicted: list[EvictedChunk] = []  # capacity evictions not yet saved below
+        self._high_refs = [0] * num_blocks  # references held by high-class sequences
+        self.num_high_blocks = 0  # pages with at least one
+        self.reserve: ReservedRegion | None = None  # None: no reserved region
+        self._pins: Counter[int] = Counter()  # page -> pins holding it
 
     @property
     def eviction_policy(self) -> str:
@@ -119,6 +132,19 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Pages allocation may take: never used, or cached with no reference."""
         return len(self._uncached) + len(self._policy)
+
+    @property
+    def num_pinned_blocks(self) -> int:
+        return len(self._pins)
+
+    def is_pinned(self, block_id: int) -> bool:
+        return block_id in self._pins
+
+    def num_free_blocks_for(self, high: bool) -> int:
+        """Free pages a class may take: lower classes leave the unused reserve alone."""
+        if high or self.reserve is None:
+            return self.num_free_blocks
+        return max(0, self.num_free_blocks - self.reserve.unused(self.num_high_blocks))
 
     @property
     def num_used_blocks(self) -> int:
@@ -140,9 +166,9 @@ class BlockPool:
     def has_namespace(self, root: BlockHash) -> bool:
         return self._root_pages[root] > 0
 
-    def allocate(self, n: int) -> list[int] | None:
-        """Takes `n` free pages with ref count 1, or None if there are fewer free."""
-        if n > self.num_free_blocks:
+    def allocate(self, n: int, high: bool = False) -> list[int] | None:
+        """Takes `n` free pages with ref count 1, or None if the class may take fewer (see the reserve)."""
+        if n > self.num_free_blocks_for(high):
             return None
         blocks = []
         for _ in range(n):
@@ -155,6 +181,8 @@ class BlockPool:
             assert self._ref_counts[b] == 0, f"free page {b} still referenced"
             self._ref_counts[b] = 1
             self.generation[b] += 1
+            if high:
+                self._add_high(b)
             blocks.append(b)
         return blocks
 
@@ -162,12 +190,14 @@ class BlockPool:
         """A holder writes into a page it already had: weak references to it go stale."""
         self.generation[block_id] += 1
 
-    def share(self, block_ids: Sequence[int]) -> None:
+    def share(self, block_ids: Sequence[int], high: bool = False) -> None:
         for b in block_ids:
             assert self._ref_counts[b] > 0, f"sharing unowned page {b}"
             self._ref_counts[b] += 1
+            if high:
+                self._add_high(b)
 
-    def touch(self, block_ids: Sequence[int]) -> None:
+    def touch(self, block_ids: Sequence[int], high: bool = False) -> None:
         """Takes a reference on cached (or weakly kept) pages, taking them out of the free pages if idle."""
         now = self._clock()
         for b in block_ids:
@@ -175,15 +205,17 @@ class BlockPool:
                 if b in self._idle_cached:
                     self._policy.discard(b)
                     del self._idle_cached[b]
-                else:
+                elif b not in self._pins:
                     del self._uncached[b]
             self._ref_counts[b] += 1
+            if high:
+                self._add_high(b)
             if b in self._cached:
                 self.hits[b] = self.hits.get(b, 0) + 1
                 self.last_access[b] = now
 
-    def release(self, block_ids: Sequence[int]) -> None:
-        """Drops one reference from each page; pages reaching zero become free.
+    def release(self, block_ids: Sequence[int], high: bool = False) -> None:
+        """Drops one reference from each page; pages reaching zero become free (unless pinned).
 
         Give a sequence's pages in order: they are released tail first, so the
         end of a chain is evicted before its shared beginning."""
@@ -191,17 +223,49 @@ class BlockPool:
         for b in reversed(block_ids):
             assert self._ref_counts[b] > 0, f"releasing unowned page {b}"
             self._ref_counts[b] -= 1
-            if self._ref_counts[b] != 0:
-                continue
-            page = self._cached.get(b)
-            if page is None:
-                self._uncached[b] = None
-                continue
-            self.last_access[b] = now
-            self._release_seq += 1
-            self._policy.add(IdlePage(b, page.block_hash, page.parent_hash, page.depth, self.hits.get(b, 0),
-                                      self._release_seq))
-            self._idle_cached[b] = None
+            if high:
+                self._high_refs[b] -= 1
+                assert self._high_refs[b] >= 0, f"page {b} released by high more often than taken"
+                self.num_high_blocks -= self._high_refs[b] == 0
+            if self._ref_counts[b] == 0 and b not in self._pins:
+                self._make_free(b, now)
+
+    def pin(self, block_ids: Sequence[int]) -> None:
+        """Keeps pages as they are until unpinned: an idle one leaves the free pages."""
+        for b in block_ids:
+            if not self._pins[b] and self._ref_counts[b] == 0:
+                if b in self._idle_cached:
+                    self._policy.discard(b)
+                    del self._idle_cached[b]
+                else:
+                    del self._uncached[b]
+            self._pins[b] += 1
+
+    def unpin(self, block_ids: Sequence[int]) -> None:
+        now = self._clock()
+        for b in reversed(block_ids):  # tail first, as release does
+            assert self._pins[b] > 0, f"unpinning page {b}, which is not pinned"
+            self._pins[b] -= 1
+            if not self._pins[b]:
+                del self._pins[b]
+                if self._ref_counts[b] == 0:
+                    self._make_free(b, now)
+
+    def _add_high(self, block_id: int) -> None:
+        self._high_refs[block_id] += 1
+        self.num_high_blocks += self._high_refs[block_id] == 1
+
+    def _make_free(self, b: int, now: float) -> None:
+        """A page nobody holds or pins: never-used again if uncached, else idle for the policy."""
+        page = self._cached.get(b)
+        if page is None:
+            self._uncached[b] = None
+            return
+        self.last_access[b] = now
+        self._release_seq += 1
+        self._policy.add(IdlePage(b, page.block_hash, page.parent_hash, page.depth, self.hits.get(b, 0),
+                                  self._release_seq))
+        self._idle_cached[b] = None
 
     def cache(
         self,
@@ -282,7 +346,7 @@ class BlockPool:
         return n
 
     def _is_expired(self, block_id: int, now: float) -> bool:
-        if self._ref_counts[block_id] != 0:
+        if self._ref_counts[block_id] != 0 or block_id in self._pins:
             return False
         if self.prefix_ttl_s and now - self.last_access[block_id] >= self.prefix_ttl_s:
             return True

@@ -28,6 +28,11 @@ Public prefixes live in their own namespace, which every tenant's lookup also
 tries. A tenant's pages after a public prefix chain from the public page's
 hash rebased onto the tenant's root (`block_hash.rebase`), so only the public
 part is ever shared.
+
+QoS and pins: a high-class sequence (`high=True` at its first allocation or
+adoption) may take the pool's reserved pages, and its pages count against the
+reserve (`cache/reserved_region.py`). Pinned prefixes and sessions
+(`cache/pins.py`) keep their pages; a pinned session's pool never expires.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ from dataclasses import dataclass, field
 from kvtierd.cache.block_hash import BlockHash, hash_full_blocks, rebase
 from kvtierd.cache.block_pool import BlockPool
 from kvtierd.cache.page_table import PageTable
+from kvtierd.cache.pins import Pin, PinError, Pins
+from kvtierd.cache.reserved_region import ReservedRegion
 from kvtierd.cache.session_pool import SessionChain, SessionKey, SessionPools
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, FoundChunk, spans_of
 from kvtierd.tiers.tier_manager import TierManager
@@ -94,6 +101,8 @@ class KVCacheManager:
         session_idle_ttl_s: float = 0.0,
         public_root: BlockHash | None = None,
         tiers: TierManager | None = None,
+        reserve: ReservedRegion | None = None,
+        pin_budget_pages: int = 0,
     ) -> None:
         self.block_size = block_size
         self.hash_algorithm = hash_algorithm
@@ -102,15 +111,22 @@ class KVCacheManager:
         self.tiers = tiers  # host and disk below the device; None: the device only
         if tiers is not None:
             self.pool.chunk_pages = tiers.chunk_pages
+        self.pool.reserve = reserve
         self.sessions = SessionPools(session_idle_ttl_s, clock)
+        self.pins = Pins(self.pool, pin_budget_pages, clock)
+        self._clock = clock
         self._tables: dict[str, PageTable] = {}
 
     @property
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.block_size
+    def capacity_tokens(self, high: bool = True) -> int:
+        """Tokens one sequence could ever hold: a lower-class one never gets the largest reserve."""
+        pages = self.pool.num_blocks
+        if not high and self.pool.reserve is not None:
+            pages -= self.pool.reserve.ceiling
+        return pages * self.block_size
 
     def table(self, seq_id: str) -> PageTable:
         return self._tables[seq_id]
@@ -118,15 +134,16 @@ class KVCacheManager:
     def block_ids(self, seq_id: str) -> list[int]:
         return self._tables[seq_id].block_ids
 
-    def allocate_slots(self, seq_id: str, num_new_tokens: int) -> Allocation | None:
-        """Assigns slots to the next tokens of `seq_id`, or None when pages run out (nothing changes then)."""
+    def allocate_slots(self, seq_id: str, num_new_tokens: int, high: bool = False) -> Allocation | None:
+        """Assigns slots to the next tokens of `seq_id`, or None when pages run out (nothing changes then).
+        `high` applies to a sequence's first allocation (its class stays with its page table)."""
         table = self._tables.get(seq_id)
         if table is None:
-            table = self._tables[seq_id] = PageTable(self.block_size)
+            table = self._tables[seq_id] = PageTable(self.block_size, high=high)
         last = table.block_ids[-1] if table.last_block_is_partial else None
         cow = last is not None and num_new_tokens > 0 and (
             self.pool.ref_count(last) > 1 or self.pool.page_info(last) is not None)
-        fresh = self.pool.allocate(table.num_new_blocks(num_new_tokens) + cow)
+        fresh = self.pool.allocate(table.num_new_blocks(num_new_tokens) + cow, table.high)
         if fresh is None:
             if not table.block_ids:
                 del self._tables[seq_id]
@@ -136,7 +153,7 @@ class KVCacheManager:
             private = fresh.pop(0)
             copies.append((last, private))
             table.block_ids[-1] = private
-            self.pool.release([last])
+            self.pool.release([last], table.high)
         elif last is not None and num_new_tokens:
             self.pool.note_write(last)
         table.block_ids.extend(fresh)
@@ -212,21 +229,21 @@ class KVCacheManager:
         return PrefixHit(chain.block_ids[: -(-n // bs)], chain.block_hashes[:full], n, "session",
                          min(chain.public_blocks, full), min(chain.own_from, full))
 
-    def adopt_prefix(self, seq_id: str, hit: PrefixHit, tag: str | None = None) -> PrefixHit:
+    def adopt_prefix(self, seq_id: str, hit: PrefixHit, tag: str | None = None, high: bool = False) -> PrefixHit:
         """Starts `seq_id`'s page table with the hit's pages (shared, read-only), after loading its
         chunks from the lower tiers into fresh pages. Returns what was adopted: less than planned when
         a chunk finds no free pages or is gone from its tier (the rest is computed instead)."""
         assert seq_id not in self._tables, f"sequence {seq_id} already has pages"
-        self.pool.touch(hit.block_ids)
+        self.pool.touch(hit.block_ids, high)
         if hit.below:
-            hit = self._promote(hit)
+            hit = self._promote(hit, high)
         if tag is not None:
             self.pool.tag(hit.block_ids, tag)
         self._tables[seq_id] = PageTable(self.block_size, list(hit.block_ids), hit.num_tokens,
-                                         list(hit.block_hashes), hit.public_blocks, hit.own_from)
+                                         list(hit.block_hashes), hit.public_blocks, hit.own_from, high)
         return hit
 
-    def _promote(self, hit: PrefixHit) -> PrefixHit:
+    def _promote(self, hit: PrefixHit, high: bool) -> PrefixHit:
         """Loads a planned hit's chunks after its device pages, each into fresh pages it indexes."""
         assert self.tiers is not None
         block_ids, hashes = list(hit.block_ids), list(hit.block_hashes)
@@ -234,12 +251,12 @@ class KVCacheManager:
         for found in hit.below:
             span = found.span
             skip = len(block_ids) - span.first_page  # pages of it the device had (the first chunk only)
-            fresh = self.pool.allocate(span.num_pages - skip)
+            fresh = self.pool.allocate(span.num_pages - skip, high)
             if fresh is None:
                 break
             self.demote_evicted()  # the allocation may have evicted pages: save them before they are overwritten
             if not self.tiers.load(found, skip, fresh):
-                self.pool.release(fresh)
+                self.pool.release(fresh, high)
                 break
             for i, b in enumerate(fresh, start=skip):
                 depth = span.first_page + i
@@ -264,15 +281,22 @@ class KVCacheManager:
             self.tiers.demote([ChunkCopy(ChunkSpan(c.root, c.first_depth, c.block_hashes, c.token_ids), c.block_ids,
                                          c.hits) for c in evicted])
 
-    def write_through(self, seq_id: str, root: BlockHash, token_ids: Sequence[int]) -> None:
-        """Writes the computed full pages of `seq_id` (a session's finished turn) to the disk tier, so the
-        session outlives a restart or a crash. Chunks already there are skipped."""
-        if self.tiers is None or not self.tiers.has_disk:
+    @property
+    def shares_every_request(self) -> bool:
+        return self.tiers is not None and self.tiers.shares_every_request
+
+    def write_through(self, seq_id: str, root: BlockHash, token_ids: Sequence[int], session: bool = True) -> None:
+        """Writes the full pages of `token_ids` (computed by `seq_id`) below: a session's finished turn to
+        the disk tier and the fleet's, so the session outlives a restart, a crash or its host; any other
+        finished request's prompt to the fleet's when it shares every request. Chunks already there are
+        skipped."""
+        if self.tiers is None or not self.tiers.can_write_through:
             return
         table = self._tables[seq_id]
         if table.public_blocks:
             return  # its chain starts in the public namespace: not stored below in this version
-        self.tiers.write_through(self._copies(root, table.block_hashes, token_ids, table.block_ids))
+        hashes = table.block_hashes[: len(token_ids) // self.block_size]
+        self.tiers.write_through(self._copies(root, hashes, token_ids, table.block_ids), session=session)
 
     def flush_below(self) -> bool:
         """Queues for the disk tier what should outlive a restart: the sessions' resident pages and the
@@ -345,6 +369,9 @@ class KVCacheManager:
             generations=[self.pool.generation[b] for b in pages],
             block_hashes=table.block_hashes[: num_computed // self.block_size],
             public_blocks=table.public_blocks, own_from=table.own_from, last_used=0.0))
+        pin = self.pins.session_pin(key)
+        if pin is not None:
+            self.pins.follow(pin, list(pages))
 
     def session_view(self, key: SessionKey, now: float | None = None) -> SessionView | None:
         """A session's context pool as it stands: each page, and whether it still holds the session's KV."""
@@ -372,7 +399,8 @@ class KVCacheManager:
 
     def expire_sessions(self, now: float | None = None) -> int:
         """Drops the KV of sessions idle past their TTL; returns the pages unindexed."""
-        n = sum(self._drop_chain(chain) for _, chain in self.sessions.expired(now))
+        pinned = {p.session_key for p in self.pins if p.session_key is not None}
+        n = sum(self._drop_chain(chain) for _, chain in self.sessions.expired(now, keep=pinned))
         self.pool.evictions.expired += n
         return n
 
@@ -431,7 +459,38 @@ class KVCacheManager:
 
     def expire(self, now: float | None = None) -> int:
         """Evicts a bounded number of expired idle cached pages and idle sessions' KV; call between steps."""
+        self.pins.expire(now)
         return self.pool.expire(now) + self.expire_sessions(now)
+
+    # -- pins --------------------------------------------------------------------------------
+
+    def pin_prefix(self, pin_id: str, root: BlockHash, token_ids: Sequence[int], ttl_s: float | None = None) -> Pin | None:
+        """Pins the cached full pages of `token_ids` in namespace `root`; None when they are not all
+        cached (compute the prefix, then pin again). Raises PinError (over budget, too short)."""
+        n = len(token_ids) // self.block_size
+        if n == 0:
+            raise PinError(f"a prefix of {len(token_ids)} tokens has no full page of {self.block_size} to pin")
+        blocks, _ = self._lookup(root, token_ids[: n * self.block_size])
+        if len(blocks) < n:
+            return None
+        return self.pins.add(Pin(pin_id, "prefix", root, self._expiry(ttl_s), tuple(token_ids)), blocks)
+
+    def pin_session(self, pin_id: str, key: SessionKey, ttl_s: float | None = None) -> Pin:
+        """Pins a session's resident context pool and keeps pinning it as it grows (see cache/pins.py)."""
+        chain = self.sessions.get(key)
+        pages: list[int] = []
+        if chain is not None:
+            for b, gen in zip(chain.block_ids, chain.generations):
+                if self.pool.generation[b] != gen:
+                    break
+                pages.append(b)
+        return self.pins.add(Pin(pin_id, "session", key[0], self._expiry(ttl_s), session_id=key[1]), pages)
+
+    def unpin(self, pin_id: str) -> Pin | None:
+        return self.pins.remove(pin_id)
+
+    def _expiry(self, ttl_s: float | None) -> float | None:
+        return None if ttl_s is None else self._clock() + ttl_s
 
     # -- lifetime --------------------------------------------------------------------------
 
@@ -439,14 +498,14 @@ class KVCacheManager:
         """Makes `child_id` share every page of `parent_id` (e.g. for n > 1 samples)."""
         parent = self._tables[parent_id]
         assert child_id not in self._tables, f"sequence {child_id} already has pages"
-        self.pool.share(parent.block_ids)
+        self.pool.share(parent.block_ids, parent.high)
         self._tables[child_id] = PageTable(
             self.block_size, list(parent.block_ids), parent.num_tokens, list(parent.block_hashes), parent.public_blocks,
-            parent.own_from
+            parent.own_from, parent.high
         )
 
     def free(self, seq_id: str) -> None:
         """Returns a sequence's pages; a no-op for a sequence that holds none."""
         table = self._tables.pop(seq_id, None)
         if table is not None:
-            self.pool.release(table.block_ids)
+            self.pool.release(table.block_ids, table.high)

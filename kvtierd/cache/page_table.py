@@ -15,6 +15,7 @@ class PageTable:
     block_hashes: list[BlockHash] = field(default_factory=list)  # of the leading full, computed pages
     public_blocks: int = 0  # leading pages adopted from the public namespace
     own_from: int = 0  # its first page not adopted from the prefix index
+    high: bool = False  # a high-class sequence: may use the reserved region, and its pages count against it
 
     def num_new_blocks(self, num_new_tokens: int) -> int:
         """Pages to add so `num_new_tokens` more tokens fit."""

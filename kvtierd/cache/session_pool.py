@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 
 from kvtierd.cache.block_hash import BlockHash
@@ -77,8 +77,8 @@ class SessionPools:
         self._chains.clear()
         return chains
 
-    def expired(self, now: float | None = None) -> list[tuple[SessionKey, SessionChain]]:
-        """Forgets and returns the sessions idle for `idle_ttl_s` or longer."""
+    def expired(self, now: float | None = None, keep: Collection[SessionKey] = ()) -> list[tuple[SessionKey, SessionChain]]:
+        """Forgets and returns the sessions idle for `idle_ttl_s` or longer, except those in `keep` (pinned)."""
         if not self.idle_ttl_s:
             return []
         now = self._clock() if now is None else now
@@ -86,5 +86,6 @@ class SessionPools:
         for key, chain in list(self._chains.items()):  # least recently used first
             if now - chain.last_used < self.idle_ttl_s:
                 break
-            out.append((key, self._chains.pop(key)))
+            if key not in keep:
+                out.append((key, self._chains.pop(key)))
         return out

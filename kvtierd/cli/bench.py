@@ -164,6 +164,50 @@ def bench_kernels(
     write_json(json_path, {"machine": m, **figures})
 
 
+@bench_app.command("fleet")
+def bench_fleet(
+    redis_url: Annotated[Optional[str], typer.Option(help="A Redis/Valkey to use; default: start one on loopback.")] = None,
+    doc_tokens: Annotated[int, typer.Option(help="Document tokens.")] = 2000,
+    repeats: Annotated[int, typer.Option(help="Shared-document rounds.")] = 3,
+    turns: Annotated[int, typer.Option(help="Session turns on the first host.")] = 3,
+    threads: Annotated[int, typer.Option(help="torch threads; 0: torch's default.")] = 1,
+    model: Annotated[Optional[str], typer.Option()] = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Two hosts sharing one Redis: cross-host reuse vs recompute, and the remote tier's load bandwidth."""
+    from kvtierd.bench.fleet_bench import run_fleet_bench
+    from kvtierd.model.loader import load_model
+
+    if min(doc_tokens, repeats, turns) < 1:
+        raise typer.BadParameter("--doc-tokens, --repeats and --turns must be at least 1")
+    if threads > 0:
+        import torch
+
+        torch.set_num_threads(threads)
+    try:
+        f = run_fleet_bench(load_model(model), redis_url, doc_tokens, repeats, turns)
+    except RuntimeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    m = machine()
+    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+               f"{m['date']}; redis: {f['redis']}")
+    print_table(f"shared document ({f['doc_tokens']:,} tokens): host B, after host A answered another question",
+                ["prompt", "cached", "from remote", "TTFT B ms", "TTFT recompute ms", "speedup"],
+                [[r["prompt_tokens"], r["cached_tokens"], r["remote_tokens"], r["ttft_remote_ms"],
+                  r["ttft_recompute_ms"], r["speedup"]] for r in f["shared_document"]])
+    s = f["session"]
+    print_table(f"a session's next turn on host B after {s['turns_on_a']} turns on host A",
+                ["prompt", "cached", "from remote", "TTFT B ms", "TTFT recompute ms", "speedup"],
+                [[s["prompt_tokens"], s["cached_tokens"], s["remote_tokens"], s["ttft_on_b_ms"],
+                  s["ttft_recompute_ms"], s["speedup"]]])
+    bw = f["bandwidth"]
+    print_table(f"remote tier bandwidth: {bw['chunks']} chunks, {bw['bytes'] / 1e6:.1f} MB (best of 3)",
+                ["store loads GB/s", "raw GET GB/s", "raw SET GB/s", "store / raw GET"],
+                [[bw["store_get_GB_s"], bw["raw_get_GB_s"], bw["raw_set_GB_s"], f"{bw['store_share_of_raw_get']:.0%}"]])
+    write_json(json_path, {"machine": m, **f})
+
+
 @bench_app.command("soak")
 def bench_soak(
     socket: Annotated[Optional[Path], typer.Option(help="Soak the daemon on this socket; default: start one.")] = None,
@@ -202,6 +246,39 @@ def bench_soak(
     write_json(json_path, f)
     if not (f["pages_back_to_baseline"] and f["rss_within_tolerance"]) or f["errors_5xx"]:
         raise typer.Exit(1)
+
+
+@bench_app.command("qos")
+def bench_qos(
+    kv_pages: Annotated[int, typer.Option(help="Device KV budget in pages of 16 tokens.")] = 64,
+    low_sessions: Annotated[int, typer.Option(help="Low-priority sessions flooding the cache.")] = 12,
+    high_requests: Annotated[int, typer.Option(help="High-priority requests in the stream.")] = 12,
+    high_every: Annotated[float, typer.Option(help="Seconds between two high-priority requests.")] = 0.25,
+    reserved_share: Annotated[float, typer.Option(help="Share of the pages reserved for high.")] = 0.25,
+    threads: Annotated[int, typer.Option(help="torch threads (1: steady timings on a shared machine).")] = 1,
+    model: Annotated[Optional[str], typer.Option()] = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """High-priority TTFT under a flood of low-priority sessions: reserved region, no reserve, no QoS, unloaded."""
+    import torch
+
+    from kvtierd.bench.qos_bench import QosWorkload, run_qos_bench
+    from kvtierd.model.loader import load_model
+
+    torch.set_num_threads(threads)
+    w = QosWorkload(kv_pages=kv_pages, low_sessions=low_sessions, high_requests=high_requests,
+                    high_every_s=high_every, reserved_share=reserved_share)
+    figures = run_qos_bench(load_model(model), w)
+    print_table("High-priority TTFT under a low-priority flood (engine time)",
+                ["run", "high p50 ms", "high p95 ms", "p95 / unloaded", "low tok/s", "preemptions", "reserved pages"],
+                [[r["run"], r["ttft_p50_ms"], r["ttft_p95_ms"], r["p95_vs_unloaded_x"],
+                  "-" if r["low_tokens_per_s"] is None else r["low_tokens_per_s"], r["preemptions"],
+                  f"{r['reserved_pages']}/{r['kv_pages']}"] for r in figures["runs"]])
+    lost = figures["low_throughput_lost_to_reserve"]
+    met = "met" if figures["target_met"] else "NOT met"
+    print(f"target: reserved p95 <= {figures['target_p95_x']}x unloaded: {met}; low throughput lost to the "
+          f"reserve: {'-' if lost is None else f'{lost:.1%}'}; {machine()['cpu']}, {machine()['torch_threads']} thread(s)")
+    write_json(json_path, figures)
 
 
 @bench_app.command("reuse")

@@ -546,5 +546,8 @@ def _clip(text: str, limit: int) -> str:
     return flat if len(flat) <= limit else flat[: limit - 1] + "…"
 
 
+
+from kvtierd.cli import pin_commands  # noqa: E402,F401  registers pin, unpin and pins on `app` (uses the helpers above)
+
 if __name__ == "__main__":  # pragma: no cover - `python -m kvtierd.cli.ctl`
     app()

@@ -58,7 +58,8 @@ def _params(max_tokens: int, temperature: float, top_p: float, seed: int | None)
 
 @app.command()
 def serve(
-    config: Annotated[Optional[Path], typer.Option("--config", help="A TOML settings file.")] = None,
+    # readable=False: load_settings says in one line why a file cannot be read (click would print a usage box).
+    config: Annotated[Optional[Path], typer.Option("--config", readable=False, help="A TOML settings file.")] = None,
     socket: Annotated[Optional[str], typer.Option("--socket", help="Unix socket path.")] = None,
     state_dir: Annotated[Optional[str], typer.Option("--state-dir", help="State directory (SQLite, LMDB).")] = None,
     model: ModelOpt = None,
@@ -84,6 +85,9 @@ def serve(
     quiet_client_errors()
     try:
         asyncio.run(run_daemon(settings))
+    except SettingsError as e:  # one found while starting (e.g. an unreadable secret file)
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
     except (ModelLoadError, SocketBindError, SessionStoreError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from e

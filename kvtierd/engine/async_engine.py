@@ -16,9 +16,9 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
-from kvtierd.engine.errors import EngineStoppedError
+from kvtierd.engine.errors import EngineStoppedError, OverloadedError
 from kvtierd.engine.llm_engine import LLMEngine
-from kvtierd.engine.request import RequestOutput
+from kvtierd.engine.request import FinishReason, RequestOutput
 from kvtierd.engine.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -57,18 +57,19 @@ class AsyncEngine:
 
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = "",
-        session_id: str | None = None, tag: str | None = None,
+        session_id: str | None = None, tag: str | None = None, qos_class: str = "normal",
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; leaving the iteration early cancels it.
 
-        Invalid requests raise RequestError here, before anything is queued."""
+        Invalid requests raise RequestError here, before anything is queued; one that
+        waits past its class's max_queue_s raises OverloadedError."""
         if self._stopped:
             raise EngineStoppedError("the engine is shutting down")
-        self.engine.validate(prompt_token_ids, params)
+        self.engine.validate(prompt_token_ids, params, qos_class)
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._edit(lambda: self._add(queue, prompt_token_ids, params, request_id, tenant, session_id, tag))
+        self._edit(lambda: self._add(queue, prompt_token_ids, params, request_id, tenant, session_id, tag, qos_class))
         finished = False
         try:
             while True:
@@ -85,9 +86,9 @@ class AsyncEngine:
                 self._edit(lambda: self.engine.abort_request(request_id))
 
     def _add(self, queue: asyncio.Queue, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-             tenant: str, session_id: str | None, tag: str | None) -> None:
+             tenant: str, session_id: str | None, tag: str | None, qos_class: str) -> None:
         try:
-            self.engine.add_request(prompt_token_ids, params, request_id, tenant, session_id, tag)
+            self.engine.add_request(prompt_token_ids, params, request_id, tenant, session_id, tag, qos_class)
         except Exception as e:  # reaches the caller instead of leaving it waiting
             queue.put_nowait(e)
 
@@ -142,7 +143,13 @@ class AsyncEngine:
             for out in outputs:
                 q = self._queues.get(out.request_id)
                 if q is not None:
-                    q.put_nowait(out)
+                    q.put_nowait(self._overloaded() if out.finish_reason is FinishReason.REJECTED else out)
+
+    def _overloaded(self) -> OverloadedError:
+        # Retry when about a queue's worth of work may have drained: the high class's wait limit.
+        retry = max(1, round(self.engine.config.qos.max_queue_s["high"] or 5))
+        return OverloadedError("kvtierd is overloaded: the request waited past its priority's max_queue_s "
+                               "without getting KV pages; retry later", retry)
 
     def _fail_all(self, error: Exception) -> None:
         for rid in list(self.engine.requests):

@@ -1,14 +1,45 @@
-"""Engine settings: the KV budget, the batching limits and the prefix cache's policy."""
+"""Engine settings: the KV budget, the batching limits, the prefix cache's policy and QoS."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import HASH_FUNCTIONS
 from kvtierd.cache.eviction import EVICTION_POLICIES
 from kvtierd.tiers.config import TierConfig
 
 DEFAULT_KV_CACHE_BYTES = 1 << 30
+QOS_CLASSES = ("high", "normal", "low")  # highest first
+
+
+@dataclass(frozen=True, slots=True)
+class QosConfig:
+    """QoS classes, the reserved region and the pin budget (docs/ARCHITECTURE.md, "QoS and pins")."""
+
+    weights: dict[str, float] = field(default_factory=lambda: {"high": 8.0, "normal": 4.0, "low": 1.0})
+    # Latency target per class: the longest a request waits for admission (0: no limit); past it, it is refused.
+    max_queue_s: dict[str, float] = field(default_factory=lambda: {"high": 10.0, "normal": 60.0, "low": 120.0})
+    aging_s: float = 10.0  # a waiting request's weight grows by 1 every aging_s seconds
+    reserved_share: float = 0.0  # of the device pages, only high may take (the start size when it resizes)
+    reserved_min_share: float = 0.0  # floor of the resizing reserve
+    reserved_max_share: float = 0.5  # ceiling of the resizing reserve
+    reserved_window_s: float = 0.0  # resize from the p99 of high's page use over this window (0: fixed)
+    pin_share: float = 0.25  # of the device pages, pins may hold
+
+    def __post_init__(self) -> None:
+        for name, table in (("weights", self.weights), ("max_queue_s", self.max_queue_s)):
+            if set(table) != set(QOS_CLASSES) or min(table.values()) < 0:
+                raise ValueError(f"qos {name} needs a value >= 0 for each of {', '.join(QOS_CLASSES)}")
+        if min(self.weights.values()) <= 0 or self.aging_s <= 0:
+            raise ValueError("qos weights and aging_s must be positive")
+        shares = (self.reserved_min_share, self.reserved_share, self.reserved_max_share)
+        if not 0 <= shares[0] <= shares[1] <= shares[2] <= 1:
+            raise ValueError("qos reserved shares need 0 <= reserved_min_share <= reserved_share "
+                             "<= reserved_max_share <= 1")
+        if not 0 <= self.pin_share <= 1 or self.reserved_window_s < 0 or \
+                self.reserved_max_share + self.pin_share > 1:
+            raise ValueError("qos pin_share must be in [0, 1], with reserved_max_share + pin_share <= 1, and "
+                             "reserved_window_s >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -25,6 +56,7 @@ class EngineConfig:
     session_idle_ttl_s: float = 0.0  # a session's context pool goes after this long idle (0: never)
     hash_algorithm: str = "md5"  # chained block hashes: md5, sha256 or xxh3-128 (cache/block_hash.py)
     tiers: TierConfig | None = None  # host and disk tiers below the device (None: the device only)
+    qos: QosConfig = field(default_factory=QosConfig)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:

@@ -9,5 +9,13 @@ class RequestError(ValueError):
         self.param = param
 
 
+class OverloadedError(RuntimeError):
+    """A request that waited past its class's max_queue_s unserved (a 503 with Retry-After)."""
+
+    def __init__(self, message: str, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class EngineStoppedError(RuntimeError):
     """The engine is shutting down and takes no new requests (a 503)."""

@@ -7,12 +7,16 @@ drive it directly.
 from __future__ import annotations
 
 import itertools
+import logging
+import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import namespace_root
 from kvtierd.cache.kv_cache_manager import KVCacheManager, SessionView
-from kvtierd.engine.config import EngineConfig
+from kvtierd.cache.pins import Pin
+from kvtierd.cache.reserved_region import ReservedRegion
+from kvtierd.engine.config import QOS_CLASSES, EngineConfig, QosConfig
 from kvtierd.engine.errors import RequestError
 from kvtierd.engine.model_runner import ModelRunner
 from kvtierd.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
@@ -29,6 +33,7 @@ from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.geometry import KVGeometry
 from kvtierd.tiers.tier_manager import TierManager, TierStats
 
+log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class EngineCounters:
@@ -36,9 +41,11 @@ class EngineCounters:
     prompt_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
     host_tokens: int = 0  # of those, loaded from the host tier
-    disk_tokens: int = 0  # ... and from the disk tier
+    disk_tokens: int = 0  # ... from the disk tier
+    remote_tokens: int = 0  # ... and from the fleet's remote tier
     generated_tokens: int = 0
     preemptions: int = 0
+    rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(QOS_CLASSES, 0))  # per class: waited too long
 
 
 @dataclass(slots=True)
@@ -63,14 +70,16 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.pool = DeviceKVPool(self.geometry, num_blocks, loaded.model.device)
         self.namespaces: dict[bytes, str] = {}  # cache root -> tenant, for reports
-        self.tiers = TierManager(config.tiers, self.pool) if config.tiers is not None else None
+        self.tiers = TierManager(config.tiers, self.pool, loaded.fingerprint) if config.tiers is not None else None
         self.kv = KVCacheManager(num_blocks, config.block_size, config.eviction_policy, config.prefix_ttl_s,
                                  hash_algorithm=config.hash_algorithm,
                                  prefix_min_hits_per_hour=config.prefix_min_hits_per_hour,
                                  session_idle_ttl_s=config.session_idle_ttl_s,
-                                 public_root=self._root(PUBLIC_NAMESPACE), tiers=self.tiers)
+                                 public_root=self._root(PUBLIC_NAMESPACE), tiers=self.tiers,
+                                 reserve=reserved_region(config.qos, num_blocks),
+                                 pin_budget_pages=int(config.qos.pin_share * num_blocks))
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.enable_prefix_caching)
+                                   config.enable_prefix_caching, config.qos)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
@@ -79,7 +88,7 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------
 
-    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams, qos_class: str = "normal") -> None:
         """Raises RequestError for a request that can never be served."""
         if not prompt_token_ids:
             raise RequestError("the prompt is empty", "prompt")
@@ -97,21 +106,25 @@ class LLMEngine:
                 f"window of {self.max_model_len} tokens",
                 "max_tokens",
             )
-        if total > self.kv.capacity_tokens():
+        if qos_class not in QOS_CLASSES:
+            raise RequestError(f"priority must be one of {', '.join(QOS_CLASSES)}", "priority")
+        capacity = self.kv.capacity_tokens(qos_class == "high")
+        if total > capacity:
             raise RequestError(
-                f"prompt + max_tokens ({total} tokens) can never fit the KV cache of {self.kv.capacity_tokens()} "
-                "tokens; raise kv_cache_bytes",
+                f"prompt + max_tokens ({total} tokens) can never fit the KV cache of {capacity} tokens "
+                f"({qos_class} priority: the reserved region is high's); raise kv_cache_bytes",
                 "max_tokens",
             )
 
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = "",
-        session_id: str | None = None, tag: str | None = None,
+        session_id: str | None = None, tag: str | None = None, qos_class: str = "normal",
     ) -> str:
         """Queues a request; its KV is shared only with requests of the same tenant (and
         public prefixes are shared with all). A request of a session starts from the
-        session's context pool and leaves its own there; `tag` marks its prefix's pages."""
-        self.validate(prompt_token_ids, params)
+        session's context pool and leaves its own there; `tag` marks its prefix's pages;
+        `qos_class` (high, normal, low) orders admission and preemption."""
+        self.validate(prompt_token_ids, params, qos_class)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
@@ -124,6 +137,7 @@ class LLMEngine:
             cache_root=self._root(tenant),
             session_id=session_id,
             tag=tag,
+            qos_class=qos_class,
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
@@ -168,6 +182,18 @@ class LLMEngine:
         """Everything cached for a model: all of it when it is the one loaded, else nothing here."""
         return self.kv.invalidate_all() if fingerprint == self.loaded.fingerprint else 0
 
+    # -- pins ----------------------------------------------------------------------
+
+    def pin_prefix(self, pin_id: str, token_ids: list[int], tenant: str = "", ttl_s: float | None = None) -> Pin | None:
+        """Pins a cached prefix's full pages; None when not all are cached (compute it first)."""
+        return self.kv.pin_prefix(pin_id, self._root(tenant), token_ids, ttl_s)
+
+    def pin_session(self, pin_id: str, session_id: str, tenant: str = "", ttl_s: float | None = None) -> Pin:
+        return self.kv.pin_session(pin_id, (self._root(tenant), session_id), ttl_s)
+
+    def unpin(self, pin_id: str) -> Pin | None:
+        return self.kv.unpin(pin_id)
+
     def _root(self, tenant: str) -> bytes:
         root = namespace_root(self.loaded.fingerprint, tenant, self.config.hash_algorithm)
         self.namespaces.setdefault(root, tenant)
@@ -184,15 +210,33 @@ class LLMEngine:
         plan = self.scheduler.schedule()
         # Pages evicted while scheduling still hold their KV: saved below now, before the forward reuses them.
         self.kv.demote_evicted()
+        self._observe_reserve()
+        rejected = [self._reject(r) for r in plan.rejected]
         if plan.empty:
-            return []
+            return rejected
         t1 = time.perf_counter()
         sample_idx, logits = self.runner.execute(plan)
         t2 = time.perf_counter()
-        outputs = self._advance(plan, sample_idx, logits)
+        outputs = rejected + self._advance(plan, sample_idx, logits)
         t3 = time.perf_counter()
         self.last_step = StepStats(plan.num_tokens, len(plan.scheduled), t2 - t1, t3 - t0)
         return outputs
+
+    def _observe_reserve(self) -> None:
+        reserve = self.kv.pool.reserve
+        if reserve is not None and reserve.window_s:
+            resize = reserve.observe(time.monotonic(), self.kv.pool.num_high_blocks)
+            if resize is not None:
+                log.info("reserved region resized from %d to %d pages (high's p99 page use: %d)",
+                         resize.old_pages, resize.new_pages, resize.p99_pages)
+
+    def _reject(self, req: Request) -> RequestOutput:
+        """A request that waited past its class's max_queue_s: it ends unserved (the server answers 503)."""
+        req.finish_reason = FinishReason.REJECTED
+        self.counters.rejected[req.qos_class] += 1
+        del self.requests[req.request_id]
+        self.scheduler.remove(req)
+        return self._output(req, [], "", None)
 
     def _advance(self, plan: StepPlan, sample_idx: list[int], logits) -> list[RequestOutput]:
         scheduled = plan.scheduled
@@ -220,6 +264,7 @@ class LLMEngine:
             self.counters.cached_tokens += req.num_cached_tokens
             self.counters.host_tokens += req.tokens_from_below.get("host", 0)
             self.counters.disk_tokens += req.tokens_from_below.get("disk", 0)
+            self.counters.remote_tokens += req.tokens_from_below.get("remote", 0)
         p = req.params
         text = req.detokenizer.push(token)
         if req.detokenizer.stopped or token in p.stop_token_ids:
@@ -231,14 +276,20 @@ class LLMEngine:
         if req.finished:
             text += req.detokenizer.flush()
             self._keep_session(req)
-            if req.session_id is not None and self.config.enable_prefix_caching:
-                # The turn outlives a restart or a crash: copied out now, written by the disk tier's thread.
-                self.kv.write_through(req.request_id, req.cache_root, req.token_ids)
+            if self.config.enable_prefix_caching and (req.session_id is not None or self.kv.shares_every_request):
+                # A turn outlives a restart or a crash (disk), and the fleet may reuse what was computed
+                # (remote): copied out now, stored by the tiers' writer threads.
+                # Another request reuses a session's whole turn, or a plain request's prompt (not its reply).
+                kept = req.token_ids if req.session_id is not None else req.prompt_token_ids
+                self.kv.write_through(req.request_id, req.cache_root, kept, session=req.session_id is not None)
             del self.requests[req.request_id]
             self.scheduler.remove(req)
+        return self._output(req, [token], text, logprob)
+
+    def _output(self, req: Request, token_ids: list[int], text: str, logprob: TokenLogprob | None) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
-            token_ids=[token],
+            token_ids=token_ids,
             text=text,
             logprobs=[logprob] if logprob is not None else [],
             finished=req.finished,
@@ -278,6 +329,17 @@ class LLMEngine:
         return [out[i] for i in ids]
 
 
+def reserved_region(qos: QosConfig, num_blocks: int) -> ReservedRegion | None:
+    """The reserved region of a pool of `num_blocks` pages; None when it is off (a fixed share of 0)."""
+    if not qos.reserved_share and not qos.reserved_window_s:
+        return None
+    size = math.ceil(qos.reserved_share * num_blocks)
+    if not qos.reserved_window_s:
+        return ReservedRegion(size, size, size)
+    return ReservedRegion(size, math.ceil(qos.reserved_min_share * num_blocks),
+                          math.ceil(qos.reserved_max_share * num_blocks), qos.reserved_window_s)
+
+
 def _by_tier(req: Request) -> dict[str, int]:
-    host, disk = req.tokens_from_below.get("host", 0), req.tokens_from_below.get("disk", 0)
-    return {"device": max(req.num_cached_tokens, 0) - host - disk, "host": host, "disk": disk}
+    below = {tier: req.tokens_from_below.get(tier, 0) for tier in ("host", "disk", "remote")}
+    return {"device": max(req.num_cached_tokens, 0) - sum(below.values()), **below}

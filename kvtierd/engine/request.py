@@ -16,6 +16,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token or a stop string
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"  # cancelled by the client
+    REJECTED = "rejected"  # waited past its class's max_queue_s without being admitted (overload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +39,7 @@ class RequestOutput:
     num_prompt_tokens: int
     num_output_tokens: int
     num_cached_tokens: int  # prompt tokens served from the cache, not recomputed
-    cached_tokens_by_tier: dict[str, int]  # num_cached_tokens by the tier they came from: device, host, disk
+    cached_tokens_by_tier: dict[str, int]  # num_cached_tokens by the tier they came from: device, host, disk, remote
     cache_source: str  # "session" (its context pool), "prefix" (the tenant's index), "public" or "none"
     queue_s: float  # from arrival to first being scheduled
 
@@ -58,11 +59,12 @@ class Request:
     cache_root: BlockHash  # the namespace (model + tenant) its pages are hashed under
     session_id: str | None = None  # its session's context pool is tried first, and kept after it
     tag: str | None = None  # marks the pages of its prefix (e.g. "doc:v3") for invalidation
+    qos_class: str = "normal"  # high, normal or low: admission order, the reserved region, preemption
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens found cached at first admission; -1 before it
     cache_source: str = "none"  # where they came from: "session", "prefix", "public" or "none"
-    tokens_from_below: dict[str, int] = field(default_factory=dict)  # of them, loaded from "host" / "disk"
+    tokens_from_below: dict[str, int] = field(default_factory=dict)  # of them, loaded from "host" / "disk" / "remote"
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None
@@ -90,6 +92,10 @@ class Request:
     @property
     def num_pending_tokens(self) -> int:
         return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def high(self) -> bool:
+        return self.qos_class == "high"
 
     @property
     def finished(self) -> bool:

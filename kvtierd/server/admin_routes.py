@@ -28,6 +28,29 @@ def engine_status(state: DaemonState) -> dict:
         "free_blocks": pool.num_free_blocks,
         "cached_blocks": pool.num_cached_blocks,
         "used_blocks": pool.num_used_blocks,
+        "qos": qos_status(eng),
+    }
+
+
+def qos_status(eng) -> dict:
+    """Requests per class, the reserved region (size, bounds, resizes) and pins."""
+    pool = eng.kv.pool
+    reserve = pool.reserve
+    by_class = {c: {"running": 0, "waiting": 0, "rejected": n} for c, n in eng.counters.rejected.items()}
+    for r in eng.scheduler.running:
+        by_class[r.qos_class]["running"] += 1
+    for r in eng.scheduler.waiting:
+        by_class[r.qos_class]["waiting"] += 1
+    return {
+        "classes": by_class,
+        "high_pages": pool.num_high_blocks,
+        "reserved": None if reserve is None else {
+            "pages": reserve.pages, "floor": reserve.floor, "ceiling": reserve.ceiling,
+            "unused_pages": reserve.unused(pool.num_high_blocks), "window_s": reserve.window_s,
+            "resizes": [{"old_pages": r.old_pages, "new_pages": r.new_pages, "p99_pages": r.p99_pages}
+                        for r in reserve.history[-10:]],
+        },
+        "pins": len(eng.kv.pins), "pinned_pages": pool.num_pinned_blocks, "pin_budget_pages": eng.kv.pins.budget_pages,
     }
 
 

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from kvtierd.server import admin_routes, chat_routes, metrics_routes, openapi, prefix_routes, session_routes
+from kvtierd.server import admin_routes, chat_routes, metrics_routes, openapi, pin_routes, prefix_routes, session_routes
 from kvtierd.server.metrics_routes import metrics_middleware
 from kvtierd.server.middleware import errors_middleware, peer_middleware
 from kvtierd.server.state import STATE, DaemonState
@@ -23,13 +23,14 @@ async def healthz(request: web.Request) -> web.Response:
                               "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting)})
 
 
-ROUTE_TABLES = (chat_routes.routes, session_routes.routes, admin_routes.routes, prefix_routes.routes, openapi.routes,
-                health_routes, metrics_routes.routes)
+ROUTE_TABLES = (chat_routes.routes, session_routes.routes, admin_routes.routes, prefix_routes.routes, pin_routes.routes,
+                openapi.routes, health_routes, metrics_routes.routes)
 
 
 async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     await state.engine.start()
+    await pin_routes.restore_pins(state)
     yield
     await state.engine.stop()
     await asyncio.to_thread(state.engine.engine.close)  # commits queued disk-tier writes

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -13,6 +14,7 @@ from kvtierd.server.conversation import Turn, prepare_chat_turn, record_turn
 from kvtierd.server.errors import ApiError
 from kvtierd.server.generation import Generation
 from kvtierd.server.middleware import read_json
+from kvtierd.server.qos import request_class
 from kvtierd.server.schemas import GenerationOptions, parse_chat, parse_completion
 from kvtierd.server.sse import serve_sse
 from kvtierd.server.state import STATE, DaemonState
@@ -50,10 +52,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
 async def respond_chat(request: web.Request, state: DaemonState, turn: Turn, options: GenerationOptions) -> web.StreamResponse:
     """Runs a chat turn and answers it, streamed or whole; records it in its session if any."""
     tok = state.loaded.tokenizer
+    qos_class = request_class(state.settings, request["tenant"], options.priority, turn.qos_class)
     gen = Generation(state.engine, turn.prompt_ids, options.params, request["tenant"], turn.session_id,
-                     options.prefix_tag, state.metrics.observer(options.priority))
+                     options.prefix_tag, state.metrics.observer(qos_class), qos_class)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id
-    extra: dict = {"priority": options.priority}
+    extra: dict = {"priority": qos_class}
     if turn.session_id:
         extra |= {"session_id": turn.session_id, "truncated": turn.truncated and turn.truncated.as_json()}
     if not options.stream:
@@ -63,7 +66,17 @@ async def respond_chat(request: web.Request, state: DaemonState, turn: Turn, opt
         return web.json_response(fmt.chat_completion(rid, created, model, result.text, result.finish_reason, logprobs,
                                                      result.usage(), result.kvtierd_info(**extra)))
 
+    await first_output(state, request["tenant"], turn, gen)
     return await serve_sse(request, state, chat_events(state, request["tenant"], turn, gen, options, rid, created, extra))
+
+
+async def first_output(state: DaemonState, tenant: str, turn: Turn, gen: Generation) -> None:
+    """Waits for the first token before the stream starts, so an overloaded daemon can still answer 503."""
+    try:
+        await gen.first_output()
+    except asyncio.CancelledError:
+        await record_turn(state, tenant, turn, gen.result)  # the client left: the turn is marked interrupted
+        raise
 
 
 async def chat_events(state: DaemonState, tenant: str, turn: Turn, gen: Generation, options: GenerationOptions,
@@ -98,15 +111,17 @@ async def completions(request: web.Request) -> web.StreamResponse:
     tok = state.loaded.tokenizer
     prompt_ids = req.prompt_ids if req.prompt_ids is not None else tok.encode(req.prompt_text)
     options = req.options
+    qos_class = request_class(state.settings, request["tenant"], options.priority)
     gen = Generation(state.engine, prompt_ids, options.params, request["tenant"], tag=options.prefix_tag,
-                     observer=state.metrics.observer(options.priority))
+                     observer=state.metrics.observer(qos_class), qos_class=qos_class)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id
-    extra = {"priority": options.priority}
+    extra = {"priority": qos_class}
     if not options.stream:
         result = await gen.run()
         logprobs = fmt.completion_logprobs(tok, result.logprobs) if options.params.logprobs else None
         return web.json_response(fmt.text_completion(rid, created, model, result.text, result.finish_reason,
                                                      logprobs, result.usage(), result.kvtierd_info(**extra)))
+    await gen.first_output()  # an overloaded daemon answers 503 before the stream starts
     return await serve_sse(request, state, completion_events(state, gen, options, rid, created, extra))
 
 

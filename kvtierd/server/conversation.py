@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvtierd.server.errors import ApiError, bad_request
 from kvtierd.server.generation import GenerationResult
@@ -44,6 +44,7 @@ class Turn:
     truncated: Truncation | None = None  # what the truncation policy left out of the prompt
     supersede_from: int | None = None  # an edit: the stored messages from this seq on are replaced
     earlier: tuple[tuple[str, str], ...] = ()  # (role, content) new messages before the user message
+    qos_class: str | None = None  # the session's class, used when the request names no priority
 
 
 def session_history(session: SessionRecord, messages: list[MessageRecord]) -> list[dict[str, str]]:
@@ -85,14 +86,16 @@ async def prepare_chat_turn(
     if not new or new[-1]["role"] != "user" or any(m["role"] == "system" for m in new):
         raise bad_request("a session request must add a user message after the stored history", param="messages")
     earlier = tuple((m["role"], m["content"]) for m in new[:-1])
-    return session_turn(state, tenant, session_id, full, max_tokens, supersede_from, earlier)
+    turn = session_turn(state, tenant, session_id, full, max_tokens, supersede_from, earlier)
+    return replace(turn, qos_class=session.qos_class)
 
 
 async def prepare_session_message(state: DaemonState, tenant: str, session_id: str, content: str,
                                   max_tokens: int) -> Turn:
     session, records = await load_session(state, tenant, session_id)
     history = session_history(session, records)
-    return session_turn(state, tenant, session_id, history + [{"role": "user", "content": content}], max_tokens)
+    turn = session_turn(state, tenant, session_id, history + [{"role": "user", "content": content}], max_tokens)
+    return replace(turn, qos_class=session.qos_class)
 
 
 def session_turn(state: DaemonState, tenant: str, session_id: str, messages: list[dict[str, str]], max_tokens: int,

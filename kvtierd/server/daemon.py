@@ -21,17 +21,17 @@ import torch
 from aiohttp import web
 
 from kvtierd.engine.async_engine import AsyncEngine
-from kvtierd.engine.config import EngineConfig
+from kvtierd.engine.config import EngineConfig, QosConfig
 from kvtierd.engine.llm_engine import LLMEngine
 from kvtierd.model.loader import load_model
 from kvtierd.server.app import make_app
 from kvtierd.server.sd_notify import notify, watchdog_period
-from kvtierd.server.settings import Settings
+from kvtierd.server.settings import Settings, SettingsError
 from kvtierd.server.socket_activation import take_listen_socket
 from kvtierd.server.state import DaemonState
 from kvtierd.server.unix_socket import bind_unix_socket, check_socket_path
 from kvtierd.storage.session_store import SessionStore
-from kvtierd.tiers.config import TierConfig
+from kvtierd.tiers.config import RemoteConfig, TierConfig
 
 log = logging.getLogger("kvtierd")
 
@@ -55,7 +55,7 @@ def build_state(settings: Settings) -> DaemonState:
         max_model_len=settings.max_model_len or None,
         eviction_policy=settings.eviction_policy, prefix_ttl_s=settings.prefix_ttl_s,
         prefix_min_hits_per_hour=settings.prefix_min_hits_per_hour, session_idle_ttl_s=settings.session_idle_ttl_s,
-        hash_algorithm=settings.hash_algorithm, tiers=tier_config(settings),
+        hash_algorithm=settings.hash_algorithm, tiers=tier_config(settings), qos=qos_config(settings),
     ))
     log.info("model %s loaded (%s, %d layers, fingerprint %s); KV pool %d pages of %d tokens",
              loaded.name, loaded.model.device, loaded.config.num_layers, loaded.fingerprint,
@@ -65,9 +65,18 @@ def build_state(settings: Settings) -> DaemonState:
     return DaemonState(settings=settings, loaded=loaded, engine=AsyncEngine(engine), store=SessionStore(settings.store_url))
 
 
+def qos_config(settings: Settings) -> QosConfig:
+    return QosConfig(weights=settings.qos_weights, max_queue_s=settings.qos_max_queue_s, aging_s=settings.qos_aging_s,
+                     reserved_share=settings.reserved_share, reserved_min_share=settings.reserved_min_share,
+                     reserved_max_share=settings.reserved_max_share, reserved_window_s=settings.reserved_window_s,
+                     pin_share=settings.pin_share)
+
+
 def tier_config(settings: Settings) -> TierConfig | None:
-    """The host and disk tiers; the disk store lives in <state_dir>/kv (a directory we make, or it is off)."""
-    if not (settings.host_bytes or settings.disk_bytes):
+    """The host and disk tiers, and the fleet's remote tier; the disk store lives in <state_dir>/kv (a
+    directory we make, or it is off)."""
+    remote = remote_config(settings)
+    if not (settings.host_bytes or settings.disk_bytes or remote):
         return None
     disk_path: Path | None = settings.state_dir / "kv"
     try:
@@ -78,7 +87,23 @@ def tier_config(settings: Settings) -> TierConfig | None:
         disk_path = None
     return TierConfig(host_bytes=settings.host_bytes, disk_bytes=settings.disk_bytes, disk_path=disk_path,
                       chunk_pages=settings.chunk_pages, disk_codec=settings.disk_codec,
-                      disk_admission=settings.disk_admission)
+                      disk_admission=settings.disk_admission, remote=remote)
+
+
+def remote_config(settings: Settings) -> RemoteConfig | None:
+    """The fleet's Redis, with its secret read from `remote_secret_file` (never from the environment:
+    a secret there leaks into /proc and child processes)."""
+    if not settings.remote_url:
+        return None
+    if not settings.remote_secret_file:
+        raise SettingsError("remote_url needs remote_secret_file: the fleet's secret seals every remote value")
+    try:
+        secret = Path(settings.remote_secret_file).read_bytes().strip()
+    except OSError as e:
+        raise SettingsError(f"cannot read remote_secret_file {settings.remote_secret_file}: {e.strerror}") from e
+    return RemoteConfig(url=settings.remote_url, secret=secret, fleet=settings.remote_fleet,
+                        ttl_s=settings.remote_ttl_s, op_timeout_ms=settings.remote_op_timeout_ms,
+                        codec=settings.disk_codec, admission=settings.remote_admission)
 
 
 async def flush_tiers(state: DaemonState) -> None:

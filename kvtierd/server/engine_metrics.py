@@ -39,9 +39,10 @@ def _families(eng: LLMEngine, server: ServerCounters, uptime_s: float) -> Iterat
     yield CounterMetricFamily("kvtierd_prompt_tokens", "Prompt tokens of the requests added.", c.prompt_tokens)
     hits = CounterMetricFamily("kvtierd_cache_hit_tokens", "Prompt tokens served from the cache, by the tier "
                                "they were found in (host and disk ones were loaded into the device).", labels=["tier"])
-    hits.add_metric([TIER], c.cached_tokens - c.host_tokens - c.disk_tokens)
+    hits.add_metric([TIER], c.cached_tokens - c.host_tokens - c.disk_tokens - c.remote_tokens)
     hits.add_metric(["host"], c.host_tokens)
     hits.add_metric(["disk"], c.disk_tokens)
+    hits.add_metric(["remote"], c.remote_tokens)
     yield hits
     yield CounterMetricFamily("kvtierd_generated_tokens", "Tokens generated.", c.generated_tokens)
     yield CounterMetricFamily("kvtierd_preemptions", "Requests preempted for lack of pages (recomputed later).",
@@ -78,6 +79,7 @@ def _families(eng: LLMEngine, server: ServerCounters, uptime_s: float) -> Iterat
     yield GaugeMetricFamily("kvtierd_engine_last_step_tokens", "Tokens computed in the last engine step.",
                             step.num_tokens if step else 0)
 
+    yield from _qos(eng)
     yield from _lower_tiers(eng)
 
     errors = CounterMetricFamily("kvtierd_http_errors", "Error responses, by status class.", labels=["status_class"])
@@ -85,6 +87,24 @@ def _families(eng: LLMEngine, server: ServerCounters, uptime_s: float) -> Iterat
     errors.add_metric(["5xx"], server.errors_5xx)
     yield errors
     yield GaugeMetricFamily("kvtierd_http_active_streams", "SSE responses streaming now.", server.active_streams)
+
+
+def _qos(eng: LLMEngine) -> Iterator[Metric]:
+    """The reserved region, the high class's pages, pins, and requests refused for waiting too long."""
+    pool = eng.kv.pool
+    reserve = pool.reserve
+    yield GaugeMetricFamily("kvtierd_reserved_pages", "Device pages only high priority may take (0: no reserve).",
+                            reserve.pages if reserve else 0)
+    yield CounterMetricFamily("kvtierd_reserved_resizes", "Times the reserved region resized itself.",
+                              len(reserve.history) if reserve else 0)
+    yield GaugeMetricFamily("kvtierd_high_pages", "Device pages held by high-priority requests.", pool.num_high_blocks)
+    yield GaugeMetricFamily("kvtierd_pinned_pages", "Device pages held by pins.", pool.num_pinned_blocks)
+    yield GaugeMetricFamily("kvtierd_pins", "Pinned prefixes and sessions.", len(eng.kv.pins))
+    rejected = CounterMetricFamily("kvtierd_qos_rejected", "Requests refused (503) after waiting past their "
+                                   "class's max_queue_s.", labels=["priority"])
+    for cls, n in eng.counters.rejected.items():
+        rejected.add_metric([cls], n)
+    yield rejected
 
 
 def _lower_tiers(eng: LLMEngine) -> Iterator[Metric]:

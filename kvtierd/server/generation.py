@@ -20,7 +20,8 @@ class GenerationResult:
     finish_reason: str | None = None  # "stop" or "length"; None while running or when cut off
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0})
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0,
+                                                                           "remote": 0})
     cache_source: str = "none"  # "session", "prefix", "public" or "none"
     queue_ms: float = 0.0
     ttft_ms: float | None = None
@@ -51,18 +52,35 @@ class GenerationResult:
 class Generation:
     def __init__(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, tenant: str,
                  session_id: str | None = None, tag: str | None = None,
-                 observer: RequestObserver | None = None) -> None:
-        engine.engine.validate(prompt_ids, params)  # a bad request fails here, before any response starts
-        self._stream = engine.generate(prompt_ids, params, tenant=tenant, session_id=session_id, tag=tag)
+                 observer: RequestObserver | None = None, qos_class: str = "normal") -> None:
+        engine.engine.validate(prompt_ids, params, qos_class)  # a bad request fails here, before any response starts
+        self._stream = engine.generate(prompt_ids, params, tenant=tenant, session_id=session_id, tag=tag,
+                                       qos_class=qos_class)
+        self._first: RequestOutput | None = None
         self._start = time.monotonic()
         self._observer = observer
         self.result = GenerationResult(prompt_tokens=len(prompt_ids))
+
+    async def first_output(self) -> None:
+        """Waits for the first output, so a request refused in the queue (overload) fails before a
+        streamed response starts. `outputs()` still yields it."""
+        try:
+            self._first = await anext(self._stream)
+        except BaseException:
+            await self._stream.aclose()
+            raise
+
+    async def _all(self) -> AsyncIterator[RequestOutput]:
+        if self._first is not None:
+            yield self._first
+        async for out in self._stream:
+            yield out
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """The engine's outputs, folded into `result` as they pass."""
         r, last = self.result, self._start
         try:
-            async for out in self._stream:
+            async for out in self._all():
                 now = time.monotonic()
                 if r.ttft_ms is None:
                     r.ttft_ms = (now - self._start) * 1e3

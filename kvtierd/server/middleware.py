@@ -8,7 +8,8 @@ import re
 
 from aiohttp import web
 
-from kvtierd.engine.errors import EngineStoppedError, RequestError
+from kvtierd.cache.pins import PinBudgetError, PinError
+from kvtierd.engine.errors import EngineStoppedError, OverloadedError, RequestError
 from kvtierd.model.errors import ChatTemplateError
 from kvtierd.server.errors import ApiError, bad_request, forbidden, unavailable
 from kvtierd.server.peer import peer_of
@@ -52,6 +53,12 @@ def _as_api_error(e: Exception) -> ApiError | None:
         return unavailable(f"the session store is unavailable: {e}")
     if isinstance(e, EngineStoppedError):
         return unavailable(str(e))
+    if isinstance(e, PinBudgetError):
+        return ApiError(409, str(e), code="pin_budget_exceeded")
+    if isinstance(e, PinError):
+        return bad_request(str(e), param="prefix")
+    if isinstance(e, OverloadedError):
+        return unavailable(str(e), retry_after_s=e.retry_after_s)
     if isinstance(e, web.HTTPRequestEntityTooLarge):
         return ApiError(413, f"the request body is too large: {e.text}", code="request_too_large")
     if isinstance(e, web.HTTPException) and e.status >= 400:

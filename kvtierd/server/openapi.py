@@ -103,6 +103,16 @@ DOCUMENT = {
             "requestBody": _body({"session_id": {"type": "string"}, "prefix": {"type": "object", "properties": _PREFIX},
                                   "hash": {"type": "string", "pattern": "^[0-9a-f]+$"}, "tag": _TAG,
                                   "tenant": {"type": "string"}, "model": {"type": "string"}}, [])}},
+        "/admin/pins": {
+            "get": _op("Pins (prefixes and sessions kept on the device) and the pin budget", errors=(403,)),
+            "post": {**_op("Pin a session or a prefix (in tenant's namespace or \"public\") on the device, "
+                           "for ttl_s or until unpinned", errors=(400, 403, 404, 409, 503)),
+                     "requestBody": _body({**_PREFIX, "session_id": {"type": "string"}, "tenant": {"type": "string"},
+                                           "ttl_s": {"type": "number", "exclusiveMinimum": 0,
+                                                     "maximum": 315360000}}, [])},
+        },
+        "/admin/pins/{pin_id}": {"delete": {**_op("Unpin", errors=(403, 404)), "parameters": [
+            {"name": "pin_id", "in": "path", "required": True, "schema": {"type": "string"}}]}},
         "/admin/sessions": {"get": {**_op("Sessions of every tenant", errors=(403,)), "parameters": _LIMIT + [
             {"name": "tenant", "in": "query", "schema": {"type": "string"}}]}},
         "/admin/sessions/{session_id}": {

@@ -34,7 +34,7 @@ class GenerationOptions:
     params: SamplingParams
     stream: bool
     include_usage: bool
-    priority: str
+    priority: str | None  # as asked; None: the session's or the tenant's class (server/qos.py)
     prefix_tag: str | None = None  # marks the prompt's cached pages, e.g. "doc:v3", for invalidation
 
 
@@ -108,8 +108,8 @@ def parse_options(body: dict, default_max_tokens: int) -> GenerationOptions:
     stream = _typed(body, "stream", bool, False)
     if stream_options and not stream:
         raise bad_request("stream_options needs stream: true", param="stream_options")
-    priority = _typed(body, "priority", str, "normal")
-    if priority not in PRIORITIES:
+    priority = _typed(body, "priority", str)
+    if priority is not None and priority not in PRIORITIES:
         raise bad_request(f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
     try:
         params = SamplingParams(

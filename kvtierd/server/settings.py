@@ -17,10 +17,11 @@ from typing import Any
 
 from kvtierd.cache.block_hash import HASH_FUNCTIONS
 from kvtierd.cache.eviction import EVICTION_POLICIES
+from kvtierd.engine.config import QOS_CLASSES
 from kvtierd.server.paths import default_socket_path, default_state_dir
 from kvtierd.server.truncation import TRUNCATION_POLICIES
 from kvtierd.storage.codecs import CODEC_NAMES
-from kvtierd.tiers.config import DISK_ADMISSIONS
+from kvtierd.tiers.config import DISK_ADMISSIONS, REMOTE_ADMISSIONS
 
 
 class SettingsError(ValueError):
@@ -119,6 +120,41 @@ def parse_device(value: Any) -> str:
     return text
 
 
+def parse_class_map(value: Any) -> dict[str, float]:
+    """`"high=8,normal=4,low=1"` -> a number >= 0 for each QoS class (all three named)."""
+    out = {}
+    for item in str(value).split(","):
+        cls, _, number = item.partition("=")
+        cls = cls.strip().lower()
+        if cls not in QOS_CLASSES or cls in out:
+            raise ValueError(f"{value!r}: name each of {', '.join(QOS_CLASSES)} once, as class=number")
+        x = parse_float(number.strip())
+        if not x >= 0:
+            raise ValueError(f"{value!r}: {cls} must be a number >= 0")
+        out[cls] = x
+    if set(out) != set(QOS_CLASSES):
+        raise ValueError(f"{value!r}: name each of {', '.join(QOS_CLASSES)}")
+    return out
+
+
+def parse_tenant_classes(value: Any) -> dict[str, str]:
+    """`"alice=high,batch=low"` -> tenant -> QoS class ("" -> none)."""
+    out = {}
+    for item in filter(None, (i.strip() for i in str(value).split(","))):
+        tenant, _, cls = item.partition("=")
+        if not tenant.strip() or cls.strip().lower() not in QOS_CLASSES:
+            raise ValueError(f"{item!r} is not tenant=class (class: {', '.join(QOS_CLASSES)})")
+        out[tenant.strip()] = cls.strip().lower()
+    return out
+
+
+def share(value: Any) -> float:
+    x = parse_float(value)
+    if not 0 <= x <= 1:
+        raise ValueError(f"must be a share between 0 and 1, got {x}")
+    return x
+
+
 @dataclass(frozen=True, slots=True)
 class Setting:
     name: str
@@ -181,6 +217,36 @@ SETTINGS: tuple[Setting, ...] = (
             "evicted chunks also written to disk: reused (hit at least once) or all; sessions' turns always are"),
     Setting("flush_on_shutdown", "tiers", "flush_on_shutdown", True, parse_bool,
             "on SIGTERM, write the device's session pages and reused prefixes to disk for the next start"),
+    Setting("remote_url", "remote", "url", None, parse_optional_str,
+            "the fleet's shared KV tier: redis://, rediss://, unix://, redis+sentinel://HOST:PORT/SERVICE or "
+            "redis+cluster:// (empty: none)"),
+    Setting("remote_fleet", "remote", "fleet", "default", str,
+            "hosts share what they store in the remote tier under one fleet name"),
+    Setting("remote_secret_file", "remote", "secret_file", None, parse_optional_str,
+            "a file holding the fleet's secret (16 bytes or more), which seals every remote value; required with url"),
+    Setting("remote_ttl_s", "remote", "ttl_s", 86400, int_between(1), "seconds a remote chunk lives unless hit again"),
+    Setting("remote_op_timeout_ms", "remote", "op_timeout_ms", 500, int_between(1),
+            "longest wait for Redis on one call; past it the call is a miss (and failures open a circuit breaker)"),
+    Setting("remote_admission", "remote", "admission", "all", one_of(*REMOTE_ADMISSIONS),
+            "what goes to the remote tier besides evicted reused chunks and session turns: all (every finished "
+            "request's full chunks) or sessions"),
+    Setting("qos_weights", "qos", "weights", "high=8,normal=4,low=1", parse_class_map,
+            "admission weight of each priority class; a waiting request's weight grows by 1 every aging_s"),
+    Setting("qos_max_queue_s", "qos", "max_queue_s", "high=10,normal=60,low=120", parse_class_map,
+            "latency target per class: the longest a request waits for admission before a 503 with Retry-After (0: no limit)"),
+    Setting("qos_aging_s", "qos", "aging_s", 10.0, float_at_least(0.001),
+            "seconds of waiting that add 1 to a request's weight (so low never starves)"),
+    Setting("reserved_share", "qos", "reserved_share", 0.1, share,
+            "share of device pages only high priority may take (the start size when it resizes)"),
+    Setting("reserved_min_share", "qos", "reserved_min_share", 0.05, share, "floor of the resizing reserved region"),
+    Setting("reserved_max_share", "qos", "reserved_max_share", 0.5, share, "ceiling of the resizing reserved region"),
+    Setting("reserved_window_s", "qos", "reserved_window_s", 0.0, float_at_least(0.0),
+            "resize the reserved region to 1.5 x the p99 of high's page use over this window (0: fixed size)"),
+    Setting("pin_share", "qos", "pin_share", 0.25, share, "share of device pages pins may hold; a pin past it is refused"),
+    Setting("tenant_classes", "qos", "tenant_classes", "", parse_tenant_classes,
+            "default class of a tenant's requests without a priority or session class, e.g. alice=high,batch=low"),
+    Setting("tenant_max_classes", "qos", "tenant_max_classes", "", parse_tenant_classes,
+            "the highest class a tenant may use: a request above it is lowered to it, e.g. batch=low"),
     Setting("store_url", "store", "url", None, parse_optional_str,
             "SQLAlchemy URL of the session store (default: sqlite under the state dir; postgresql+psycopg://... for fleets)"),
 )
@@ -221,6 +287,22 @@ class Settings:
     disk_codec: str
     disk_admission: str
     flush_on_shutdown: bool
+    remote_url: str | None
+    remote_fleet: str
+    remote_secret_file: str | None
+    remote_ttl_s: int
+    remote_op_timeout_ms: int
+    remote_admission: str
+    qos_weights: dict[str, float]
+    qos_max_queue_s: dict[str, float]
+    qos_aging_s: float
+    reserved_share: float
+    reserved_min_share: float
+    reserved_max_share: float
+    reserved_window_s: float
+    pin_share: float
+    tenant_classes: dict[str, str]
+    tenant_max_classes: dict[str, str]
     store_url: str
 
 
@@ -231,6 +313,8 @@ def _from_toml(path: Path) -> dict[str, tuple[Any, str]]:
         raise SettingsError(f"cannot read config file {path}: {e.strerror}") from e
     except tomllib.TOMLDecodeError as e:
         raise SettingsError(f"{path} is not valid TOML: {e}") from e
+    except UnicodeDecodeError as e:  # TOML is UTF-8
+        raise SettingsError(f"{path} is not valid TOML: not UTF-8 text (byte {e.start})") from e
     by_place = {(s.section, s.key): s for s in SETTINGS}
     out = {}
     for section, table in doc.items():
@@ -267,6 +351,9 @@ def load_settings(
         except (TypeError, ValueError) as e:
             raise SettingsError(f"{s.name} from {source}: {e}") from e
     state_dir = Path(values["state_dir"]).expanduser() if values["state_dir"] else default_state_dir(env)
+    if state_dir.exists() and not state_dir.is_dir():
+        raise SettingsError(f"state_dir from {raw.get('state_dir', (None, 'default'))[1]}: {state_dir} exists and "
+                            "is not a directory")
     values["state_dir"] = state_dir
     values["socket"] = Path(values["socket"]).expanduser() if values["socket"] else default_socket_path(env)
     values["store_url"] = values["store_url"] or f"sqlite:///{state_dir / 'kvtierd.sqlite3'}"
