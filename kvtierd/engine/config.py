@@ -17,8 +17,10 @@ class QosConfig:
     """QoS classes, the reserved region and the pin budget (docs/ARCHITECTURE.md, "QoS and pins")."""
 
     weights: dict[str, float] = field(default_factory=lambda: {"high": 8.0, "normal": 4.0, "low": 1.0})
-    # Latency target per class: the longest a request waits for admission (0: no limit); past it, it is refused.
-    max_queue_s: dict[str, float] = field(default_factory=lambda: {"high": 10.0, "normal": 60.0, "low": 120.0})
+    # Latency target per class: the longest a request waits for admission (0: no limit); past it, it is
+    # refused. No limit for an engine built directly (benchmarks, `kvtierd generate`); the daemon's
+    # `[qos] max_queue_s` sets one.
+    max_queue_s: dict[str, float] = field(default_factory=lambda: {"high": 0.0, "normal": 0.0, "low": 0.0})
     aging_s: float = 10.0  # a waiting request's weight grows by 1 every aging_s seconds
     reserved_share: float = 0.0  # of the device pages, only high may take (the start size when it resizes)
     reserved_min_share: float = 0.0  # floor of the resizing reserve
