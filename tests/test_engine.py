@@ -195,3 +195,11 @@ def test_requests_sent_together_share_a_document_being_computed(loaded, make_eng
     cached = [outs[i][-1].num_cached_tokens for i in ids]
     # The first computes the document; the others wait for its pages instead of computing them again.
     assert cached[0] == 0 and all(c >= 96 for c in cached[1:]), cached
+
+
+def test_a_vanishing_temperature_is_greedy_not_a_crash(loaded, make_engine):
+    """Found by the API fuzzer: logits / 5e-324 overflow to inf and sampling failed the whole step."""
+    p = chat(loaded, "Name a planet.")
+    greedy = make_engine().generate([p], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    for t in (5e-324, 1e-30, 1e-5):
+        assert make_engine().generate([p], SamplingParams(max_tokens=6, temperature=t, seed=1))[0] == greedy

@@ -7,12 +7,13 @@ from dataclasses import dataclass
 from kvtierd.engine.errors import RequestError
 
 MAX_TOP_LOGPROBS = 20
+MIN_SAMPLING_TEMPERATURE = 1e-4  # below it, sampling is greedy (its limit)
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     max_tokens: int = 256
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (or under MIN_SAMPLING_TEMPERATURE) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 means no top-k cut
     seed: int | None = None
@@ -40,4 +41,5 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        # Below this, dividing the logits overflows float32 to inf (NaN probabilities); greedy is the limit.
+        return self.temperature < MIN_SAMPLING_TEMPERATURE
