@@ -85,3 +85,19 @@ def daemon():
         d = start_daemon(Path(root))
         yield d
         assert d.stop() == 0, d.log_text()
+
+
+def engine_status(c: httpx.Client) -> dict:
+    return c.get("/admin/status").json()["engine"]
+
+
+def wait_idle(c: httpx.Client, timeout: float = 20.0) -> dict:
+    """Polls /admin/status until no request runs or waits and no page is held; returns the engine's status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        e = engine_status(c)
+        if e["used_blocks"] == 0 and e["running"] == 0 and e["waiting"] == 0:
+            return e
+        if time.monotonic() > deadline:
+            pytest.fail(f"the engine is not idle {timeout} s later: {e}")
+        time.sleep(0.05)

@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from daemon_fixtures import Daemon, start_daemon
+from daemon_fixtures import Daemon, engine_status, start_daemon, wait_idle
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -62,20 +62,6 @@ def assert_error(r: httpx.Response, status: int, *, param: str | None = None, co
     return error["message"]
 
 
-def engine_status(c: httpx.Client) -> dict:
-    return c.get("/admin/status").json()["engine"]
-
-
-def wait_idle(c: httpx.Client, timeout: float = 10.0) -> dict:
-    """Polls /admin/status until no request runs or waits and no page is held."""
-    deadline = time.monotonic() + timeout
-    while True:
-        e = engine_status(c)
-        if e["used_blocks"] == 0 and e["running"] == 0 and e["waiting"] == 0:
-            return e
-        if time.monotonic() > deadline:
-            pytest.fail(f"the engine is not idle {timeout} s later: {e}")
-        time.sleep(0.05)
 
 
 def raw_post(sock_path: Path, path: str, body: dict) -> socket.socket:

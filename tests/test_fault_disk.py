@@ -25,10 +25,8 @@ from pathlib import Path
 import pytest
 
 from daemon_fixtures import Daemon, start_daemon
-from fault_fixtures import (OFFLOAD_ENV, checked_session_turns, disk_metric, errors_5xx, in_parallel,
-                            kill9, new_session, open_kv, question, remove_root, report, session_turn, short_root,
-                            small_filesystem, stop_cleanly, stored_keys, system_prompt, tiers,
-                            wait_disk_settled, wait_idle)
+from daemon_fixtures import wait_idle
+from fault_fixtures import (OFFLOAD_ENV, checked_session_turns, disk_metric, errors_5xx, in_parallel, kill9, new_session, open_kv, question, remove_root, report, session_turn, short_root, small_filesystem, stop_cleanly, stored_keys, system_prompt, tiers, wait_disk_settled)
 from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.store_errors import StoreUnavailableError
 

@@ -31,8 +31,8 @@ import httpx
 import pytest
 
 from daemon_fixtures import Daemon, start_daemon, wait_ready
-from fault_fixtures import (OFFLOAD_ENV, checked_session_turns, errors_5xx, kill9, metrics, new_session, question,
-                            remove_root, report, short_root, stored_turns, system_prompt, wait_idle)
+from daemon_fixtures import wait_idle
+from fault_fixtures import (OFFLOAD_ENV, checked_session_turns, errors_5xx, kill9, metrics, new_session, question, remove_root, report, short_root, stored_turns, system_prompt)
 
 CHAT = "/v1/chat/completions"
 SEED = 5
