@@ -37,7 +37,7 @@ class Codec(Protocol):
 
     def encode(self, data: Buffer, itemsize: int) -> bytes: ...
 
-    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> bytes:
+    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> Buffer:
         """Inverse of encode; `nbytes` is the decoded size. Raises CorruptValueError."""
         ...
 
@@ -91,7 +91,7 @@ class ZstdPlanesCodec(ZstdCodec):
         parts += [stream.compress(tail), stream.flush()]
         return b"".join(parts)
 
-    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> bytes:
+    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> Buffer:
         return _from_planes(super().decode(data, itemsize, nbytes), itemsize)
 
 
@@ -115,12 +115,18 @@ def _to_planes(data: Buffer, itemsize: int) -> tuple[np.ndarray, bytes]:
     return np.ascontiguousarray(items[:, _HIGH_FIRST].T), raw[whole:].tobytes()
 
 
-def _from_planes(data: bytes, itemsize: int) -> bytes:
+def _from_planes(data: bytes, itemsize: int) -> memoryview:
+    """The items back from their planes, as a writable buffer (the tier manager copies it into the device)."""
     raw = np.frombuffer(data, dtype=np.uint8)
     whole = len(raw) - len(raw) % itemsize
     planes = raw[:whole].reshape(itemsize, -1)  # [itemsize, num_items], high byte first
-    items = np.ascontiguousarray(planes.T[:, _HIGH_FIRST])  # reversing twice restores the order
-    return items.tobytes() + raw[whole:].tobytes()
+    out = np.empty(len(raw), dtype=np.uint8)
+    items = out[:whole].reshape(-1, itemsize)
+    order = range(itemsize)[_HIGH_FIRST]
+    for plane, byte in zip(planes, order):  # one strided write per plane: far faster than a transposed copy
+        items[:, byte] = plane
+    out[whole:] = raw[whole:]
+    return memoryview(out)
 
 
 # Byte order within an item, high byte first: reversed on little-endian hosts.

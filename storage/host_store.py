@@ -9,14 +9,21 @@ is ordinary pageable memory (`pinned` is False in the stats).
 
 When every slot is taken, a put reuses the least recently used slot. Copies run
 under the store's lock, so a slot is never rewritten while another thread reads it.
+
+Besides the ChunkStore calls (bytes in, bytes out), `write` and `read` hand the
+caller a view of the slot itself, so the tier manager copies KV between device
+pages and the slab once, with no bytes object in between. `write` can place a
+value so that one of its bytes (the payload's first) sits on a 64-byte boundary:
+what follows can then be viewed as any dtype.
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -24,11 +31,15 @@ import torch
 from kvtierd.storage.chunk_store import StoreStats
 from kvtierd.storage.store_errors import StoreUnavailableError
 
+ALIGN = 64  # bytes: a cache line, and every dtype's alignment
+T = TypeVar("T")
+
 
 @dataclass(slots=True)
 class _Slot:
     index: int  # row of the slab
     nbytes: int  # bytes of the value in it (a value may be shorter than the slot)
+    offset: int = 0  # where the value starts in its row (see `write`)
 
 
 class HostStore:
@@ -64,7 +75,7 @@ class HostStore:
         with self._lock:
             self._check_open()
             slots = [self._use(key) for key in keys]
-            return [None if s is None else self._rows[s.index, : s.nbytes].tobytes() for s in slots]
+            return [None if s is None else self._rows[s.index, s.offset : s.offset + s.nbytes].tobytes() for s in slots]
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> bool:
         batch = dict(items)  # a key given twice keeps its last value
@@ -80,7 +91,7 @@ class HostStore:
             for key, value in batch.items():
                 slot = reused.get(key) or self._take_slot()
                 self._used += len(value) - slot.nbytes
-                slot.nbytes = len(value)
+                slot.nbytes, slot.offset = len(value), 0
                 self._rows[slot.index, : slot.nbytes] = np.frombuffer(value, dtype=np.uint8)
                 self._index[key] = slot
             self._num_puts += len(batch)
@@ -97,32 +108,37 @@ class HostStore:
                     deleted += 1
             return deleted
 
-    def get_into(self, key: bytes, out: torch.Tensor) -> bool:
-        """Copies the value into `out` (contiguous, any dtype or device, exactly the value's size). False on a miss."""
+    def write(self, key: bytes, nbytes: int, fill: Callable[[torch.Tensor], None], align_at: int = 0) -> None:
+        """Stores a value of `nbytes` that `fill` writes in place into the flat uint8 tensor it is given
+        (the slot itself, under the store's lock). The value's byte `align_at` lands on a 64-byte boundary.
+        The slot must have room for the value and up to ALIGN - 1 bytes before it. If `fill` raises, the
+        key is left absent."""
+        self._check_size(nbytes + ALIGN - 1)
+        with self._lock:
+            self._check_open()
+            slot = self._index.pop(key, None) or self._take_slot()
+            offset = (-(self._slab.data_ptr() + slot.index * self.slot_bytes + align_at)) % ALIGN
+            self._used -= slot.nbytes
+            slot.nbytes, slot.offset = 0, offset
+            try:
+                fill(self._slab[slot.index, offset : offset + nbytes])
+            except BaseException:
+                self._release(slot)
+                raise
+            self._used += nbytes
+            slot.nbytes = nbytes
+            self._index[key] = slot
+            self._num_puts += 1
+
+    def read(self, key: bytes, use: Callable[[torch.Tensor], T]) -> T | None:
+        """`use(value)` with the value as a flat uint8 view of its slot, under the store's lock (the slot is
+        not rewritten meanwhile; do not keep the view). None on a miss."""
         with self._lock:
             self._check_open()
             slot = self._use(key)
             if slot is None:
-                return False
-            dst = _as_bytes(out)
-            if dst.numel() != slot.nbytes:
-                raise ValueError(f"out has {dst.numel()} bytes, the value has {slot.nbytes}")
-            dst.copy_(self._slab[slot.index, : slot.nbytes])
-            return True
-
-    def put_from(self, key: bytes, tensor: torch.Tensor) -> bool:
-        """Stores a contiguous tensor's bytes under `key` (a device tensor is copied to host), as put_many does."""
-        src = _as_bytes(tensor)
-        self._check_size(src.numel())
-        with self._lock:
-            self._check_open()
-            slot = self._index.pop(key, None) or self._take_slot()
-            self._used += src.numel() - slot.nbytes
-            slot.nbytes = src.numel()
-            self._slab[slot.index, : slot.nbytes].copy_(src)
-            self._index[key] = slot
-            self._num_puts += 1
-            return True
+                return None
+            return use(self._slab[slot.index, slot.offset : slot.offset + slot.nbytes])
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -178,10 +194,3 @@ class HostStore:
     def _check_open(self) -> None:
         if self._closed:
             raise StoreUnavailableError("the host KV store is closed")
-
-
-def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat uint8 view of a contiguous tensor: no copy, so a copy into it lands in the tensor."""
-    if not tensor.is_contiguous():
-        raise ValueError("the tensor must be contiguous")
-    return tensor.reshape(-1).view(torch.uint8)

@@ -80,7 +80,7 @@ FrameExpectation = ChunkIdentity
 
 @dataclass(frozen=True, slots=True)
 class DecodedChunk:
-    payload: bytes  # the K/V bytes, decoded: identity.payload_nbytes of them
+    payload: Buffer  # the K/V bytes, decoded: identity.payload_nbytes of them
     codec: str
     encoded_nbytes: int  # the payload's size in the frame, for compression stats
 
@@ -88,15 +88,20 @@ class DecodedChunk:
 def encode_frame(identity: ChunkIdentity, payload: Buffer, *, codec: str = "zstd-planes",
                  level: int = DEFAULT_LEVEL) -> bytes:
     """Frames the chunk's K/V bytes (`identity.payload_nbytes` of them, in the tier manager's layout)."""
-    g = identity.geometry
     nbytes = memoryview(payload).nbytes
     if nbytes != identity.payload_nbytes:
         raise ValueError(f"payload has {nbytes} bytes, the chunk's geometry needs {identity.payload_nbytes}")
-    encoded = get_codec(codec, level).encode(payload, g.dtype.itemsize)
+    encoded = get_codec(codec, level).encode(payload, identity.geometry.dtype.itemsize)
+    return frame_head(identity, codec, len(encoded), xxhash.xxh3_64_intdigest(encoded)) + encoded
+
+
+def frame_head(identity: ChunkIdentity, codec: str, encoded_nbytes: int, checksum: int) -> bytes:
+    """Everything of a frame before its encoded payload. Its length does not depend on `checksum`, so a
+    writer may put the payload in place first and the head, with the payload's checksum, after."""
+    g = identity.geometry
     header = _HEADER.pack(
         MAGIC, FORMAT_VERSION, g.num_layers, g.num_kv_heads, g.head_dim, g.block_size,
-        identity.num_pages, len(identity.block_hashes[0]), identity.payload_nbytes,
-        xxhash.xxh3_64_intdigest(encoded),
+        identity.num_pages, len(identity.block_hashes[0]), identity.payload_nbytes, checksum,
     )  # fmt: skip
     return b"".join((
         header,
@@ -105,7 +110,7 @@ def encode_frame(identity: ChunkIdentity, payload: Buffer, *, codec: str = "zstd
         _short(codec.encode()),
         *identity.block_hashes,
         identity.packed_token_ids(),
-        _U64.pack(len(encoded)), encoded,
+        _U64.pack(encoded_nbytes),
     ))  # fmt: skip
 
 
@@ -117,8 +122,29 @@ def frame_nbytes(identity: ChunkIdentity, codec: str, encoded_nbytes: int) -> in
             + len(identity.token_ids) * _TOKEN_BYTES + _U64.size + encoded_nbytes)
 
 
+@dataclass(frozen=True, slots=True)
+class CheckedFrame:
+    """A frame whose head matched what the reader expected; its payload is not checked yet."""
+
+    codec: str
+    encoded: memoryview  # the encoded payload, a view into the caller's buffer
+    payload_offset: int  # where `encoded` starts in the frame
+    checksum: int  # xxh3_64 the encoded payload must have
+
+
 def decode_frame(data: Buffer, expected: FrameExpectation) -> DecodedChunk:
     """Checks the frame against `expected` and decodes its payload. Raises CorruptValueError naming the check."""
+    frame = check_frame_head(data, expected)
+    if xxhash.xxh3_64_intdigest(frame.encoded) != frame.checksum:
+        raise CorruptValueError("checksum", "the payload's xxh3_64 differs from the frame's")
+    g = expected.geometry
+    payload = get_codec(frame.codec).decode(frame.encoded, g.dtype.itemsize, expected.payload_nbytes)
+    return DecodedChunk(payload=payload, codec=frame.codec, encoded_nbytes=len(frame.encoded))
+
+
+def check_frame_head(data: Buffer, expected: FrameExpectation) -> CheckedFrame:
+    """Checks everything of a frame but its payload's checksum, which the caller must compare (the host
+    tier hashes the payload while it copies it, in the same pass). Raises CorruptValueError."""
     view = memoryview(data)
     if len(view) < _HEADER.size:
         raise CorruptValueError("truncated", f"{len(view)} bytes is shorter than the {_HEADER.size}-byte header")
@@ -135,7 +161,9 @@ def decode_frame(data: Buffer, expected: FrameExpectation) -> DecodedChunk:
     codec = reader.short().tobytes()
     hashes = reader.take(num_pages * hash_len)
     tokens = reader.take(num_pages * block_size * _TOKEN_BYTES)
-    encoded = reader.take(_U64.unpack(reader.take(_U64.size))[0])
+    encoded_nbytes = _U64.unpack(reader.take(_U64.size))[0]
+    payload_offset = reader.offset
+    encoded = reader.take(encoded_nbytes)
     if reader.offset != len(view):
         raise CorruptValueError("truncated", f"{len(view) - reader.offset} bytes after the payload")
 
@@ -152,14 +180,12 @@ def decode_frame(data: Buffer, expected: FrameExpectation) -> DecodedChunk:
         raise CorruptValueError("token ids", "the frame's token ids differ from the chunk's")
     if payload_nbytes != expected.payload_nbytes:
         raise CorruptValueError("payload size", f"{payload_nbytes} bytes, the geometry needs {expected.payload_nbytes}")
-    if xxhash.xxh3_64_intdigest(encoded) != checksum:
-        raise CorruptValueError("checksum", "the payload's xxh3_64 differs from the frame's")
     try:
-        decoder = get_codec(codec.decode("ascii"))
+        name = codec.decode("ascii")
+        get_codec(name)
     except (UnicodeDecodeError, ValueError) as e:
         raise CorruptValueError("codec", f"unknown codec {codec!r}") from e
-    payload = decoder.decode(encoded, g.dtype.itemsize, payload_nbytes)
-    return DecodedChunk(payload=payload, codec=decoder.name, encoded_nbytes=len(encoded))
+    return CheckedFrame(name, encoded, payload_offset, checksum)
 
 
 def _dtype_name(geometry: KVGeometry) -> str:

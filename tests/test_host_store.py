@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kvtierd.storage.host_store import HostStore
+from kvtierd.storage.host_store import ALIGN, HostStore
 from kvtierd.storage.store_errors import StoreUnavailableError
 
 SLOT = 64
@@ -80,53 +80,70 @@ def test_a_value_larger_than_a_slot_is_the_callers_bug() -> None:
     store = make_store()
     with pytest.raises(ValueError, match="does not fit a slot"):
         store.put_many([(key(0), bytes(SLOT + 1))])
-    with pytest.raises(ValueError, match="does not fit a slot"):
-        store.put_from(key(0), torch.zeros(SLOT + 1, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="does not fit a slot"):  # write needs room to align the value too
+        store.write(key(0), SLOT - ALIGN + 2, lambda view: None)
+    assert store.stats().num_entries == 0
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
-def test_put_from_and_get_into_copy_exactly(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("head", [0, 5, 63])
+def test_write_aligns_the_payload_and_read_sees_the_same_bytes(dtype: torch.dtype, head: int) -> None:
     store = HostStore(capacity_bytes=4 << 10, slot_bytes=1 << 10)
-    kv = torch.randn(2, 4, 1, 8, generator=torch.Generator().manual_seed(0)).to(dtype)  # [layers*2, block, heads, dim]
-    assert store.put_from(key(0), kv)
-    out = torch.empty_like(kv)
-    assert store.get_into(key(0), out)
-    assert torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
-    # The same bytes through the bytes interface, both ways.
-    assert store.get_many([key(0)]) == [kv.view(torch.uint8).numpy().tobytes()]
-    store.put_many([(key(1), kv.view(torch.uint8).numpy().tobytes())])
-    out.zero_()
-    assert store.get_into(key(1), out) and torch.equal(out.view(torch.uint8), kv.view(torch.uint8))
+    kv = torch.randn(2, 4, 1, 8, generator=torch.Generator().manual_seed(head)).to(dtype)
+    nbytes = head + kv.numel() * kv.element_size()
+
+    def fill(view: torch.Tensor) -> None:
+        view[:head] = 7
+        view[head:].copy_(as_bytes(kv))
+
+    for i in range(3):  # other slots, other offsets
+        store.write(key(i), nbytes, fill, align_at=head)
+        got = store.read(key(i), lambda view: (view.data_ptr() + head, view[head:].view(dtype).clone()))
+        assert got is not None
+        address, payload = got
+        assert address % ALIGN == 0 and torch.equal(as_bytes(payload), as_bytes(kv))
+        assert store.get_many([key(i)]) == [bytes([7] * head) + as_bytes(kv).numpy().tobytes()]
+    assert store.stats().bytes_used == 3 * nbytes
 
 
-def test_get_into_on_a_miss_leaves_the_tensor_alone() -> None:
+def test_read_on_a_miss_calls_nothing() -> None:
     store = make_store()
-    out = torch.full((SLOT,), 7, dtype=torch.uint8)
-    assert not store.get_into(key(0), out)
-    assert torch.equal(out, torch.full((SLOT,), 7, dtype=torch.uint8))
+    assert store.read(key(0), lambda view: pytest.fail("called on a miss")) is None
     assert store.stats().num_gets == 1 and store.stats().num_hits == 0
 
 
-def test_get_into_needs_a_contiguous_tensor_of_the_values_size() -> None:
-    store = make_store()
+def test_a_failing_fill_leaves_the_key_absent_and_its_slot_free() -> None:
+    store = HostStore(capacity_bytes=2 << 10, slot_bytes=1 << 10)
     store.put_many([(key(0), value(0))])
-    with pytest.raises(ValueError, match="out has 32 bytes"):
-        store.get_into(key(0), torch.empty(32, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="contiguous"):
-        store.get_into(key(0), torch.empty(8, 16, dtype=torch.uint8).t())
+
+    def fail(view: torch.Tensor) -> None:
+        raise RuntimeError("device gone")
+
+    for k in (key(0), key(1)):  # a rewrite and a new key
+        with pytest.raises(RuntimeError):
+            store.write(k, 100, fail)
+    assert store.contains_prefix([key(0)]) == 0 and store.contains_prefix([key(1)]) == 0
+    stats = store.stats()
+    assert stats.num_entries == 0 and stats.bytes_used == 0
+    store.put_many([(key(2), value(2)), (key(3), value(3))])  # both slots are free again
+    assert store.stats().num_evictions == 0
 
 
 def test_threads_never_read_a_slot_mid_rewrite() -> None:
-    store = make_store(8)
+    store = HostStore(capacity_bytes=8 * 2 * SLOT, slot_bytes=2 * SLOT)
 
     def work(t: int) -> None:
         for n in range(200):
             i = t * 1000 + n
             src = torch.full((SLOT,), i % 251, dtype=torch.uint8)
-            store.put_from(key(i), src)
-            out = torch.empty(SLOT, dtype=torch.uint8)
-            if store.get_into(key(i), out):
-                assert torch.equal(out, src)
+            store.write(key(i), SLOT, lambda view: view.copy_(src))
+            got = store.read(key(i), lambda view: view.clone())
+            if got is not None:
+                assert torch.equal(got, src)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
         list(pool.map(work, range(4)))
@@ -147,7 +164,7 @@ def test_device_tensors_copy_through_the_pinned_slab() -> None:
     store = HostStore(capacity_bytes=4 << 20, slot_bytes=1 << 20)
     assert store.stats().pinned
     kv = torch.randn(16, 16, 2, 64, device="cuda", dtype=torch.float16)
-    assert store.put_from(key(0), kv)
+    store.write(key(0), kv.numel() * 2, lambda view: view.copy_(as_bytes(kv)))
     out = torch.empty_like(kv)
-    assert store.get_into(key(0), out)
+    store.read(key(0), lambda view: as_bytes(out).copy_(view))
     assert torch.equal(out, kv)

@@ -1,9 +1,16 @@
 """The tier manager: saves device pages below as chunks, finds a prompt's stored chunks, loads them back.
 
-    device pages --save--> host slab   raw frames, on the calling thread (a memory copy)
+    device pages --save--> host slab   raw frames, gathered straight into a slot (one copy)
                       \\-->  disk        zstd-planes frames, encoded and committed by the disk's writer thread
                       \\-->  remote      zstd-planes frames, sealed and sent by the remote's writer thread
-    host / disk / remote --load--> fresh device pages, on the engine thread (synchronous in this slice)
+    host / disk / remote --load--> fresh device pages, on the engine thread
+    disk / remote --prefetch--> host slab, on the prefetch thread, as soon as a request arrives
+
+A host load copies each layer from the slot into the device pages and hashes
+the bytes it just read (still in cache) for the checksum; the pages are
+indexed only once the checksum matched. Every load is timed for the restore
+planner (`restore_planner.py`), which decides per request whether loading
+beats recomputing.
 
 Every value is a kv_frame, host ones too (raw codec): a load compares its
 geometry, namespace, block hashes and token ids with the chunk the prompt
@@ -23,15 +30,21 @@ threads run beside it.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+import xxhash
 
 from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.host_store import HostStore
-from kvtierd.storage.kv_frame import ChunkIdentity, decode_frame, encode_frame, frame_nbytes
+from kvtierd.storage.host_store import ALIGN
+from kvtierd.storage.kv_frame import ChunkIdentity, check_frame_head, decode_frame, frame_head, frame_nbytes
 from kvtierd.storage.redis_keyspace import RedisKeyspace
 from kvtierd.storage.redis_store import RedisStore
 from kvtierd.storage.store_errors import CorruptValueError, StoreUnavailableError
@@ -40,6 +53,7 @@ from kvtierd.tiers.chunk_writer import ChunkWriter
 from kvtierd.tiers.config import TierConfig
 from kvtierd.tiers.epoch import Epoch
 from kvtierd.tiers.fleet_epoch import FleetEpoch
+from kvtierd.tiers.restore_planner import RestorePlanner
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +67,7 @@ class TierCounts:
     hit_tokens: int = 0  # prompt tokens those loads served
     writes: int = 0  # chunks stored (the host's; the disk writer counts its own)
     corrupt: int = 0  # values that failed their checks (never served)
+    prefetched: int = 0  # chunks of this tier copied up to the host tier ahead of their request
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +87,7 @@ class TierStats:
     evictions: int  # values the store dropped for room
     corrupt: int
     pinned: bool  # host: page-locked memory
+    prefetched: int = 0  # disk, remote: chunks copied up to the host tier ahead of their request
 
 
 class TierManager:
@@ -114,6 +130,15 @@ class TierManager:
             self._remote_writer = ChunkWriter("remote", self.remote, r.codec, config.max_pending_disk_bytes)
             self._fleet_epoch = FleetEpoch(self.remote)
         self.counts = {"host": TierCounts(), "disk": TierCounts(), "remote": TierCounts()}
+        self.planner = RestorePlanner()
+        # Prefetches run on a thread of their own: disk reads and Redis round trips never wait in the engine's step.
+        self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtierd-prefetch")
+        self._prefetch_lock = threading.Lock()
+        self._prefetching: dict[bytes, Future] = {}  # host key -> its copy up, until done
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self._geometry.bytes_per_block
 
     @property
     def has_disk(self) -> bool:
@@ -173,33 +198,118 @@ class TierManager:
         key = self._key(tier, span.last_hash)
         if key is None:
             return False
-        if tier == "host":
-            value = self.host.get_many([key])[0] if self.host is not None else None
-        elif tier == "disk":
+        t0 = time.perf_counter()
+        if tier != "host":
+            self._await_prefetch(self.epoch.key(span.last_hash))
+            if self.host is not None and self.host.contains_prefix([self.epoch.key(span.last_hash)]):
+                tier, key = "host", self.epoch.key(span.last_hash)  # prefetched meanwhile: the nearest copy
+        loaded = self._load_host(key, span, skip, block_ids) if tier == "host" else \
+            self._load_below(tier, key, span, skip, block_ids)
+        if loaded:
+            nbytes = len(block_ids) * self._geometry.bytes_per_block
+            self.planner.observe_load(tier, nbytes, time.perf_counter() - t0)
+            counts = self.counts[tier]
+            counts.hits += 1
+            counts.hit_tokens += len(block_ids) * self._geometry.block_size
+        return loaded
+
+    def _load_host(self, key: bytes, span: ChunkSpan, skip: int, block_ids: Sequence[int]) -> bool:
+        if self.host is None:
+            return False
+        identity = span.identity(self._geometry)
+
+        def copy(value: torch.Tensor) -> str:
+            """"ok" once the pages are in the device, else the failed check's name."""
+            try:
+                frame = check_frame_head(value.numpy(), identity)
+            except CorruptValueError as e:
+                return e.check
+            if frame.codec != HOST_CODEC:
+                return "codec"
+            payload = value[frame.payload_offset :]
+            kv = payload.view(self._geometry.dtype).view(self._shape(span.num_pages))
+            checksum = self._scatter(kv, skip, block_ids, frame.encoded)
+            return "ok" if checksum == frame.checksum else "checksum"
+
+        outcome = self.host.read(key, copy)
+        if outcome is None:  # evicted since the lookup
+            return False
+        if outcome != "ok":
+            self.counts["host"].corrupt += 1
+            log.warning("a host-tier KV chunk failed its %s check: dropped, recomputed instead", outcome)
+            self.host.delete_many([key])
+            return False
+        return True
+
+    def _load_below(self, tier: str, key: bytes, span: ChunkSpan, skip: int, block_ids: Sequence[int]) -> bool:
+        chunk = self._fetch(tier, key, span)
+        if chunk is None:
+            return False
+        kv = torch.frombuffer(chunk, dtype=torch.uint8).view(self._geometry.dtype).view(self._shape(span.num_pages))
+        self._scatter(kv, skip, block_ids)
+        if tier == "remote":
+            self._fleet_epoch.remember(key)  # the fleet has it: no need to send it back
+        return True
+
+    def _fetch(self, tier: str, key: bytes, span: ChunkSpan) -> memoryview | None:
+        """A disk or remote chunk's decoded payload, checked; None when it is gone or bad (then quarantined)."""
+        if tier == "disk":
             value = self._writer.call(lambda: self.disk.get_many([key])[0], None) if self.has_disk else None
         else:
             value = self.remote.get_many([key])[0]  # bounded by the store's timeout and circuit breaker
         if value is None:
-            return False
+            return None
         try:
             chunk = decode_frame(value, span.identity(self._geometry))
         except CorruptValueError as e:
             self.counts[tier].corrupt += 1
             log.warning("a %s-tier KV chunk failed its %s check: dropped, recomputed instead", tier, e.check)
-            if tier == "host":
-                self.host.delete_many([key])
-            else:
-                (self._writer if tier == "disk" else self._remote_writer).quarantine(key, str(e))
-            return False
-        g = self._geometry
-        kv = torch.frombuffer(bytearray(chunk.payload), dtype=torch.uint8).view(g.dtype).view(self._shape(span.num_pages))
-        self._scatter(kv[:, :, skip:], block_ids)
-        if tier == "remote":
-            self._fleet_epoch.remember(key)  # the fleet has it: no need to send it back
-        counts = self.counts[tier]
-        counts.hits += 1
-        counts.hit_tokens += len(block_ids) * g.block_size
-        return True
+            (self._writer if tier == "disk" else self._remote_writer).quarantine(key, str(e))
+            return None
+        payload = memoryview(chunk.payload)
+        return memoryview(bytearray(payload)) if payload.readonly else payload  # torch needs a writable buffer
+
+    # -- prefetching ---------------------------------------------------------------------------
+
+    def prefetch(self, namespace: bytes, block_hashes: Sequence[bytes], token_ids: Sequence[int], start: int) -> None:
+        """Starts copying up to the host tier the chunks of a chain (from page `start`) that only the disk or
+        the fleet holds, so its request finds them in memory when it is scheduled. Returns at once."""
+        if self.host is None or (not self.has_disk and self.remote is None):
+            return
+        self._prefetcher.submit(self._prefetch, namespace, list(block_hashes), list(token_ids), start)
+
+    def _prefetch(self, namespace: bytes, block_hashes: list[bytes], token_ids: list[int], start: int) -> None:
+        try:
+            for found in self.lookup(namespace, block_hashes, token_ids, start):
+                if found.tier == "host":
+                    continue
+                host_key = self.epoch.key(found.span.last_hash)
+                done: Future = Future()
+                with self._prefetch_lock:
+                    if host_key in self._prefetching:
+                        continue
+                    self._prefetching[host_key] = done
+                try:
+                    key = self._key(found.tier, found.span.last_hash)
+                    chunk = self._fetch(found.tier, key, found.span) if key is not None else None
+                    if chunk is None:
+                        break  # the chain stops here: what follows is unreachable anyway
+                    self._put_host(host_key, found.span.identity(self._geometry),
+                                   lambda out, payload=chunk: _copy_bytes(out, payload))
+                    self.counts[found.tier].prefetched += 1
+                finally:
+                    with self._prefetch_lock:
+                        del self._prefetching[host_key]
+                    done.set_result(None)
+        except Exception:  # the executor would swallow it; a failed prefetch only costs a slower load
+            log.exception("prefetching KV chunks to the host tier failed")
+
+    def _await_prefetch(self, host_key: bytes) -> None:
+        """Waits for a prefetch of this chunk that is under way: its copy is nearly done, a second read is not."""
+        with self._prefetch_lock:
+            pending = self._prefetching.get(host_key)
+        if pending is not None:
+            pending.result()
 
     # -- saving --------------------------------------------------------------------------------
 
@@ -246,11 +356,13 @@ class TierManager:
                 self._remote_writer.note_dropped()
             if not (to_host or to_disk or to_remote):
                 continue
-            kv = self._gather(c.block_ids)
             identity = c.span.identity(self._geometry)
             if to_host:
-                self.host.put_many([(key, encode_frame(identity, _bytes(kv), codec=HOST_CODEC))])
+                self._put_host(key, identity, lambda out, ids=c.block_ids: self._gather_into(out, ids))
                 self.counts["host"].writes += 1
+            if not (to_disk or to_remote):
+                continue
+            kv = self._gather(c.block_ids)
             if to_disk:
                 self._writer.submit(key, identity, kv)  # one transaction per chunk: chunks are megabytes
             if to_remote:
@@ -285,12 +397,14 @@ class TierManager:
     # -- lifetime and reports ------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Blocks until the writes queued so far are stored (never call it on the event loop)."""
+        """Blocks until the prefetches and writes queued so far are done (never call it on the event loop)."""
+        self._prefetcher.submit(lambda: None).result()
         for writer in (self._writer, self._remote_writer):
             if writer is not None:
                 writer.wait()
 
     def close(self) -> None:
+        self._prefetcher.shutdown(wait=True, cancel_futures=True)
         for writer in (self._writer, self._remote_writer):
             if writer is not None:
                 writer.close()
@@ -324,7 +438,7 @@ class TierManager:
         healthy = s.healthy and w.failure is None
         return TierStats("disk", True, healthy, w.failure or s.reason, s.capacity_bytes, s.bytes_used, s.num_entries,
                          c.hits, c.hit_tokens, w.num_written, w.num_pending, w.num_dropped, s.num_evictions,
-                         s.num_corrupt, False)
+                         s.num_corrupt, False, c.prefetched)
 
     def _remote_stats(self) -> TierStats:
         c, w = self.counts["remote"], self._remote_writer
@@ -333,7 +447,7 @@ class TierManager:
         reason = s.reason or (None if healthy else "the fleet's epoch could not be read yet")
         return TierStats("remote", True, healthy, reason, s.capacity_bytes, s.bytes_used, s.num_entries, c.hits,
                          c.hit_tokens, w.num_written, w.num_pending, w.num_dropped, s.num_evictions, s.num_corrupt,
-                         False)
+                         False, c.prefetched)
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -373,31 +487,71 @@ class TierManager:
         """A host slot holds the largest frame: a whole chunk with the longest hashes and namespace."""
         g, n = self._geometry, self.chunk_pages
         widest = ChunkIdentity(g, bytes(MAX_HASH_BYTES), (bytes(MAX_HASH_BYTES),) * n, (0,) * (n * g.block_size))
-        return frame_nbytes(widest, HOST_CODEC, widest.payload_nbytes)
+        return frame_nbytes(widest, HOST_CODEC, widest.payload_nbytes) + ALIGN - 1  # room to align the payload
+
+    def _put_host(self, key: bytes, identity: ChunkIdentity, fill: Callable[[torch.Tensor], None]) -> None:
+        """Writes a raw frame into a host slot: `fill` puts the KV in place (`[layers, 2, pages, ...]`), then
+        the head goes before it with the payload's checksum."""
+        nbytes = identity.payload_nbytes
+        head_len = len(frame_head(identity, HOST_CODEC, nbytes, 0))
+        shape = self._shape(identity.num_pages)
+
+        def write(value: torch.Tensor) -> None:
+            payload = value[head_len:]
+            fill(payload.view(self._geometry.dtype).view(shape))
+            checksum = xxhash.xxh3_64_intdigest(payload.numpy())
+            value.numpy()[:head_len] = np.frombuffer(frame_head(identity, HOST_CODEC, nbytes, checksum), np.uint8)
+
+        self.host.write(key, head_len + nbytes, write, align_at=head_len)
 
     def _gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The pages' K and V, `[layers, 2, pages, block_size, kv_heads, head_dim]`, copied to CPU memory."""
+        out = torch.empty(self._shape(len(block_ids)), dtype=self._geometry.dtype)
+        self._gather_into(out, block_ids)
+        return out
+
+    def _gather_into(self, out: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Copies the pages' K and V into `out` (CPU, `[layers, 2, pages, ...]`), a run of consecutive pages
+        at a time."""
+        runs = page_runs(block_ids)
+        for layer, (k, v) in enumerate(self._device.kv_caches):
+            for at, first, n in runs:
+                out[layer, 0, at : at + n].copy_(k[first : first + n])
+                out[layer, 1, at : at + n].copy_(v[first : first + n])
+
+    def _scatter(self, kv: torch.Tensor, skip: int, block_ids: Sequence[int], payload: memoryview | None = None) -> int:
+        """Writes pages `skip`.. of `kv` (`[layers, 2, pages, ...]`) into the device pages `block_ids`, a run
+        of consecutive pages at a time. With `payload` (kv's bytes), hashes each layer's bytes right after
+        the copy read them, while they are in cache, and returns the payload's xxh3_64."""
         dev = self._device
-        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=dev.device)
-        out = torch.empty(self._shape(len(block_ids)), dtype=self._geometry.dtype, device=dev.device)
+        runs = page_runs(block_ids)
+        hasher = xxhash.xxh3_64()
+        per_layer = len(payload) // len(dev.kv_caches) if payload is not None else 0
         for layer, (k, v) in enumerate(dev.kv_caches):
-            torch.index_select(k, 0, idx, out=out[layer, 0])
-            torch.index_select(v, 0, idx, out=out[layer, 1])
-        return out.cpu()
-
-    def _scatter(self, kv: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Writes `[layers, 2, pages, ...]` K and V into the device pages `block_ids`."""
-        dev = self._device
-        idx = torch.tensor(list(block_ids), dtype=torch.int64, device=dev.device)
-        kv = kv.to(dev.device)
-        for layer, (k, v) in enumerate(dev.kv_caches):
-            k.index_copy_(0, idx, kv[layer, 0])
-            v.index_copy_(0, idx, kv[layer, 1])
+            for at, first, n in runs:
+                k[first : first + n].copy_(kv[layer, 0, skip + at : skip + at + n], non_blocking=True)
+                v[first : first + n].copy_(kv[layer, 1, skip + at : skip + at + n], non_blocking=True)
+            if payload is not None:
+                hasher.update(payload[layer * per_layer : (layer + 1) * per_layer])
+        if dev.device.type == "cuda":
+            torch.cuda.current_stream(dev.device).synchronize()  # the source may be rewritten once we return
+        return hasher.intdigest()
 
 
-def _bytes(kv: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(kv.reshape(-1).view(torch.uint8).numpy())
+def page_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(position in `block_ids`, first page id, length) of each run of consecutive page ids: one copy each."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            at, first, n = runs[-1]
+            runs[-1] = (at, first, n + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs
+
+
+def _copy_bytes(out: torch.Tensor, payload: memoryview) -> None:
+    out.view(-1).view(torch.uint8).copy_(torch.frombuffer(payload, dtype=torch.uint8))
 
 
 def _off(name: str, reason: str | None, c: TierCounts) -> TierStats:
