@@ -100,3 +100,42 @@ def test_an_invalidation_reaches_the_lower_tiers(loaded, make_engine):
     push_out(engine, tok, prompt)
     engine.invalidate_tenant("")
     assert run_one(engine, prompt)[0].num_cached_tokens == 0
+
+
+def test_a_request_prefetches_its_chunks_from_disk_to_the_host_tier(loaded, make_engine, cold, tmp_path):
+    tok = loaded.tokenizer
+    prompt = ask(tok, TOPICS[0])
+    first = tiered(make_engine, host=False, disk=tmp_path, disk_admission="all")
+    push_out(first, tok, prompt)
+    first.close()  # commits the disk writes; the next engine starts with an empty host tier
+    engine = tiered(make_engine, disk=tmp_path)
+    rid = engine.add_request(prompt, run_one.keywords["params"])
+    engine.tiers.wait()  # the prefetch ran before the first step
+    host, disk = engine.tier_stats()[:2]
+    assert disk.prefetched >= 2 and host.entries == disk.prefetched and host.hits == 0
+    outputs = []
+    while engine.has_unfinished():
+        outputs += [o for o in engine.step() if o.request_id == rid]
+    assert outputs[0].cached_tokens_by_tier["host"] >= 64 and outputs[0].cached_tokens_by_tier["disk"] == 0
+    assert outputs[0].restore.decision == "load"
+    assert_same_output(outputs, cold(prompt))
+    engine.close()
+
+
+def test_recomputing_is_chosen_when_it_is_cheaper_than_loading(loaded, make_engine, cold):
+    tok = loaded.tokenizer
+    engine = tiered(make_engine)
+    prompt = ask(tok, TOPICS[0])
+    push_out(engine, tok, prompt)
+    loaded_back = run_one(engine, prompt)  # loading is measured once it happens
+    assert loaded_back[0].restore.decision == "load" and loaded_back[0].cached_tokens_by_tier["host"] >= 64
+    push_out(engine, tok, prompt)
+    planner = engine.tiers.planner
+    assert planner.rates()[0]["host"] > 0 and planner.rates()[1] > 0
+    planner.observe_prefill(10**12, 1.0)  # as if prefill were nearly free (a fast GPU)
+    warm = run_one(engine, prompt)
+    assert warm[0].restore.decision == "recompute" and warm[0].restore.num_found >= 2
+    assert warm[0].restore.recompute_s < warm[0].restore.load_s
+    assert warm[0].cached_tokens_by_tier["host"] == 0
+    assert planner.decisions["recompute"] == 1 and "partial" not in planner.decisions
+    assert_same_output(warm, cold(prompt))

@@ -49,6 +49,7 @@ from kvtierd.cache.pins import Pin, PinError, Pins
 from kvtierd.cache.reserved_region import ReservedRegion
 from kvtierd.cache.session_pool import SessionChain, SessionKey, SessionPools
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, FoundChunk, spans_of
+from kvtierd.tiers.restore_planner import NOTHING_BELOW, ChunkCost, RestorePlan
 from kvtierd.tiers.tier_manager import TierManager
 
 
@@ -83,6 +84,7 @@ class PrefixHit:
     own_from: int = 0  # for a session: its first page not adopted from the prefix index
     below: list[FoundChunk] = field(default_factory=list)  # planned: chunks to load after block_ids (in num_tokens)
     tokens_by_tier: dict[str, int] = field(default_factory=dict)  # adopted: tokens loaded from "host" / "disk"
+    restore: RestorePlan = NOTHING_BELOW  # adopted: whether `below` was loaded or left to recompute
 
 
 NO_HIT = PrefixHit([], [], 0)
@@ -244,11 +246,13 @@ class KVCacheManager:
         return hit
 
     def _promote(self, hit: PrefixHit, high: bool) -> PrefixHit:
-        """Loads a planned hit's chunks after its device pages, each into fresh pages it indexes."""
+        """Loads a planned hit's chunks after its device pages, each into fresh pages it indexes: as many as
+        the restore planner finds cheaper to load than to recompute."""
         assert self.tiers is not None
         block_ids, hashes = list(hit.block_ids), list(hit.block_hashes)
+        plan = self.tiers.planner.plan(self._restore_costs(len(block_ids), hit.below))
         by_tier: dict[str, int] = {}
-        for found in hit.below:
+        for found in hit.below[: plan.num_chunks]:
             span = found.span
             skip = len(block_ids) - span.first_page  # pages of it the device had (the first chunk only)
             fresh = self.pool.allocate(span.num_pages - skip, high)
@@ -269,7 +273,31 @@ class KVCacheManager:
             by_tier[found.tier] = by_tier.get(found.tier, 0) + len(fresh) * self.block_size
         # Loaded pages count as this sequence's own: a session that brought them back may drop them.
         return PrefixHit(block_ids, hashes, len(block_ids) * self.block_size, "prefix" if block_ids else "none",
-                         own_from=len(hit.block_ids), tokens_by_tier=by_tier)
+                         own_from=len(hit.block_ids), tokens_by_tier=by_tier, restore=plan)
+
+    def _restore_costs(self, on_device: int, below: Sequence[FoundChunk]) -> list[ChunkCost]:
+        """What loading each found chunk would copy, and what computing it would take, past the device's pages."""
+        assert self.tiers is not None
+        costs = []
+        for found in below:
+            pages = found.span.first_page + found.span.num_pages - max(on_device, found.span.first_page)
+            on_device = found.span.first_page + found.span.num_pages
+            costs.append(ChunkCost(found.tier, pages * self.tiers.bytes_per_page,
+                                   pages * self.block_size))
+        return costs
+
+    def prefetch(self, root: BlockHash, token_ids: Sequence[int]) -> None:
+        """Starts moving a prompt's chunks that sit below the host tier up to it, before its request is
+        scheduled (on the tier manager's prefetch thread)."""
+        if self.tiers is None:
+            return
+        bs = self.block_size
+        usable = token_ids[: len(token_ids) - 1]
+        n = len(usable) // bs
+        hashes = hash_full_blocks(root, usable[: n * bs], bs, algorithm=self.hash_algorithm)
+        on_device = self.pool.lookup(hashes, [usable[i * bs : (i + 1) * bs] for i in range(n)])
+        if len(on_device) < n:
+            self.tiers.prefetch(root, hashes, usable, len(on_device))
 
     # -- saving below the device ----------------------------------------------------------------
 

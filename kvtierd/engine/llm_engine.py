@@ -141,6 +141,8 @@ class LLMEngine:
         )
         self.requests[request_id] = req
         self.scheduler.add(req)
+        if self.config.enable_prefix_caching:
+            self.kv.prefetch(req.cache_root, req.prompt_token_ids)  # chunks on disk or remote start moving up now
         self.counters.requests += 1
         self.counters.prompt_tokens += req.num_prompt_tokens
         return request_id
@@ -219,6 +221,8 @@ class LLMEngine:
         t2 = time.perf_counter()
         outputs = rejected + self._advance(plan, sample_idx, logits)
         t3 = time.perf_counter()
+        if plan.prefills and self.tiers is not None:  # the prefill speed a restore is weighed against (sampling
+            self.tiers.planner.observe_prefill(plan.num_tokens, t3 - t1)  # waits for a GPU's forward to end)
         self.last_step = StepStats(plan.num_tokens, len(plan.scheduled), t2 - t1, t3 - t0)
         return outputs
 
@@ -300,6 +304,7 @@ class LLMEngine:
             cached_tokens_by_tier=_by_tier(req),
             cache_source=req.cache_source,
             queue_s=(req.first_scheduled_time or req.arrival_time) - req.arrival_time,
+            restore=req.restore,
         )
 
     # -- lower tiers ----------------------------------------------------------------

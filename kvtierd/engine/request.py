@@ -10,6 +10,7 @@ import torch
 from kvtierd.cache.block_hash import BlockHash
 from kvtierd.engine.sampling_params import SamplingParams
 from kvtierd.model.detokenizer import IncrementalDetokenizer
+from kvtierd.tiers.restore_planner import NOTHING_BELOW, RestorePlan
 
 
 class FinishReason(str, enum.Enum):
@@ -42,6 +43,7 @@ class RequestOutput:
     cached_tokens_by_tier: dict[str, int]  # num_cached_tokens by the tier they came from: device, host, disk, remote
     cache_source: str  # "session" (its context pool), "prefix" (the tenant's index), "public" or "none"
     queue_s: float  # from arrival to first being scheduled
+    restore: RestorePlan = NOTHING_BELOW  # whether chunks found below the device were loaded or recomputed
 
 
 @dataclass(slots=True)
@@ -65,6 +67,7 @@ class Request:
     num_cached_tokens: int = -1  # prompt tokens found cached at first admission; -1 before it
     cache_source: str = "none"  # where they came from: "session", "prefix", "public" or "none"
     tokens_from_below: dict[str, int] = field(default_factory=dict)  # of them, loaded from "host" / "disk" / "remote"
+    restore: RestorePlan = NOTHING_BELOW  # at first admission: chunks found below, loaded or left to recompute
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     finish_reason: FinishReason | None = None

@@ -213,6 +213,7 @@ class Scheduler:
             req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
             req.cache_source = hit.source
             req.tokens_from_below = hit.tokens_by_tier
+            req.restore = hit.restore
             req.first_scheduled_time = time.monotonic()
 
     def _add_to_plan(self, plan: StepPlan, s: ScheduledRequest) -> None:

@@ -15,6 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvtierd.engine.llm_engine import LLMEngine
 from kvtierd.server.state import ServerCounters
+from kvtierd.tiers.tier_manager import TierManager
 
 TIER = "device"
 
@@ -137,6 +138,31 @@ def _lower_tiers(eng: LLMEngine) -> Iterator[Metric]:
         families["corrupt"].add_metric([t.name], t.corrupt)
         families["healthy"].add_metric([t.name], float(t.enabled and t.healthy))
     yield from families.values()
+    if eng.tiers is not None:
+        yield from _restore(eng.tiers)
+
+
+def _restore(tiers: TierManager) -> Iterator[Metric]:
+    """Prefetches, and the restore planner: its decisions and the rates it weighs."""
+    prefetched = CounterMetricFamily("kvtierd_tier_prefetched_chunks", "Chunks copied up to the host tier before "
+                                     "their request was scheduled, by the tier they came from.", labels=["tier"])
+    for t in tiers.stats():
+        if t.name != "host":
+            prefetched.add_metric([t.name], t.prefetched)
+    yield prefetched
+    decisions = CounterMetricFamily("kvtierd_restore_decisions", "Requests that found chunks below the device, by "
+                                    "what was cheaper: load (all), partial, or recompute.", labels=["decision"])
+    for decision in ("load", "partial", "recompute"):
+        decisions.add_metric([decision], tiers.planner.decisions[decision])
+    yield decisions
+    bandwidth, prefill = tiers.planner.rates()
+    load = GaugeMetricFamily("kvtierd_tier_load_bytes_per_second", "Measured speed of loads into the device "
+                             "(moving average), by tier.", labels=["tier"])
+    for tier, rate in sorted(bandwidth.items()):
+        load.add_metric([tier], rate)
+    yield load
+    yield GaugeMetricFamily("kvtierd_prefill_tokens_per_second", "Measured prefill speed (moving average), what a "
+                            "load is weighed against; 0 until measured.", prefill or 0.0)
 
 
 def _per_tier(name: str, doc: str, kind: type, value: float) -> Metric:

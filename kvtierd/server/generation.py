@@ -23,6 +23,7 @@ class GenerationResult:
     cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "disk": 0,
                                                                            "remote": 0})
     cache_source: str = "none"  # "session", "prefix", "public" or "none"
+    restore: dict | None = None  # chunks found below the device: loaded or recomputed, and the estimates why
     queue_ms: float = 0.0
     ttft_ms: float | None = None
 
@@ -43,6 +44,7 @@ class GenerationResult:
         return {
             "cached_tokens_by_tier": self.cached_tokens_by_tier,
             "cache_source": self.cache_source,
+            "restore": self.restore,
             "queue_ms": round(self.queue_ms, 3),
             "ttft_ms": None if self.ttft_ms is None else round(self.ttft_ms, 3),
             **extra,
@@ -88,6 +90,7 @@ class Generation:
                     r.cached_tokens = out.num_cached_tokens
                     r.cached_tokens_by_tier = dict(out.cached_tokens_by_tier)
                     r.cache_source = out.cache_source
+                    r.restore = out.restore.as_dict() if out.restore.num_found else None
                     if self._observer:
                         self._observer.first_output(now - self._start, out.queue_s, r.cached_tokens, r.cache_source)
                 elif self._observer:
