@@ -25,11 +25,24 @@ class DeviceKVPool:
         ]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
-        """Copies whole pages `src -> dst` in every layer (copy-on-write)."""
+        """Copies whole pages `src -> dst` in every layer (copy-on-write, compaction).
+
+        Each layer's sources are all read before any destination is written, so a
+        page may be the destination of one pair and the source of another."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)
         dst = torch.tensor([d for _, d in pairs], dtype=torch.int64, device=self.device)
+        k0 = self.kv_caches[0][0]
+        # Allocated once, first: running out of memory here leaves every page as it was.
+        staging = torch.empty((len(pairs), *k0.shape[1:]), dtype=k0.dtype, device=self.device)
         for k, v in self.kv_caches:
-            k.index_copy_(0, dst, k.index_select(0, src))
-            v.index_copy_(0, dst, v.index_select(0, src))
+            torch.index_select(k, 0, src, out=staging)
+            k.index_copy_(0, dst, staging)
+            torch.index_select(v, 0, src, out=staging)
+            v.index_copy_(0, dst, staging)
+
+    def synchronize(self) -> None:
+        """Waits for the copies queued so far (CUDA runs them asynchronously)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)

@@ -7,7 +7,8 @@ the copy path. With CUDA it is pinned (page-locked): device<->host copies then
 run as DMA, and the budget is RAM the kernel can never swap out. Without CUDA it
 is ordinary pageable memory (`pinned` is False in the stats).
 
-When every slot is taken, a put reuses the least recently used slot. Copies run
+When every slot is taken, a put reuses the least recently used slot that is not
+pinned (`pin`: a pinned value stays until unpinned or deleted). Copies run
 under the store's lock, so a slot is never rewritten while another thread reads it.
 
 Besides the ChunkStore calls (bytes in, bytes out), `write` and `read` hand the
@@ -57,6 +58,7 @@ class HostStore:
         self._rows = self._slab.numpy()  # the same memory, for copies from and to bytes
         self._index: OrderedDict[bytes, _Slot] = OrderedDict()  # least recently used first
         self._free = list(range(self.num_slots))
+        self._pinned: set[bytes] = set()  # keys the LRU must pass over
         self._lock = threading.Lock()
         self._closed = False
         self._used = 0
@@ -83,7 +85,7 @@ class HostStore:
             self._check_size(len(value))
         with self._lock:
             self._check_open()
-            if len(batch) > self.num_slots:
+            if len(batch) > self.num_slots - len(self._pinned):
                 self._num_rejected += 1
                 return False
             # Keys being rewritten keep their slots, and are out of the LRU while the others take theirs.
@@ -103,6 +105,7 @@ class HostStore:
             deleted = 0
             for key in keys:
                 slot = self._index.pop(key, None)
+                self._pinned.discard(key)
                 if slot is not None:
                     self._release(slot)
                     deleted += 1
@@ -139,6 +142,17 @@ class HostStore:
             if slot is None:
                 return None
             return use(self._slab[slot.index, slot.offset : slot.offset + slot.nbytes])
+
+    def pin(self, keys: Sequence[bytes]) -> int:
+        """Keeps these values until unpinned or deleted; returns how many were there to pin."""
+        with self._lock:
+            present = [key for key in keys if key in self._index]
+            self._pinned.update(present)
+            return len(present)
+
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        with self._lock:
+            self._pinned.difference_update(keys)
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -178,9 +192,11 @@ class HostStore:
         """A free slot, or the least recently used one (its value is evicted). Caller holds the lock."""
         if self._free:
             return _Slot(self._free.pop(), 0)
-        _, slot = self._index.popitem(last=False)
+        victim = next((key for key in self._index if key not in self._pinned), None)
+        if victim is None:  # the pin budget (a share of the slots) keeps this from happening
+            raise StoreUnavailableError("every host slot is pinned")
         self._num_evictions += 1
-        return slot
+        return self._index.pop(victim)
 
     def _release(self, slot: _Slot) -> None:
         self._used -= slot.nbytes

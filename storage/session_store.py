@@ -68,6 +68,7 @@ class PinRecord:
     token_ids: tuple[int, ...]  # a prefix pin's tokens
     created_at: datetime  # timezone-aware UTC
     expires_at: datetime | None  # timezone-aware UTC; None: until unpinned
+    tier: str = "device"  # where it holds its KV: "device", "host" or "disk"
 
 
 class SessionStore:
@@ -259,8 +260,8 @@ class SessionStore:
     def save_pin(self, pin: PinRecord) -> None:
         """Adds or replaces a pin."""
         row = PinRow(id=pin.id, tenant=pin.tenant, kind=pin.kind, session_id=pin.session_id,
-                     token_ids=",".join(map(str, pin.token_ids)) or None, created_at=pin.created_at,
-                     expires_at=pin.expires_at)
+                     token_ids=",".join(map(str, pin.token_ids)) or None, tier=pin.tier,
+                     created_at=pin.created_at, expires_at=pin.expires_at)
         with self._db_errors(), self._sessions.begin() as db:
             db.merge(row)
 
@@ -276,7 +277,7 @@ class SessionStore:
             rows = db.scalars(sa.select(PinRow).order_by(PinRow.created_at, PinRow.id))
             return [PinRecord(r.id, r.tenant, r.kind, r.session_id,
                               tuple(int(t) for t in r.token_ids.split(",")) if r.token_ids else (),
-                              r.created_at, r.expires_at) for r in rows]
+                              r.created_at, r.expires_at, r.tier) for r in rows]
 
     @contextmanager
     def _db_errors(self) -> Iterator[None]:

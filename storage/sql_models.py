@@ -92,7 +92,7 @@ class MessageRow(Base):
 
 
 class PinRow(Base):
-    """A pinned prefix (its token ids) or session, kept on the device and restored at startup."""
+    """A pinned prefix (its token ids) or session, kept in its tier and restored at startup."""
 
     __tablename__ = "pins"
     __table_args__ = (sa.CheckConstraint("kind IN ('prefix', 'session')", name="kind"),)

@@ -93,8 +93,9 @@ def test_bytes_flipped_at_random_in_the_file_are_survived(tmp_path, capsys):
     of range, an LRU record of the wrong size) or not at all. The process lives on, and the store is
     refused, fails closed, or works (a value read wrong still fails its frame's checks in the tier manager).
 
-    Not every damage is survived: a flipped node size can send LMDB's read past the file's end, which is
-    SIGBUS (about 1 file in 300 so damaged; none of these 30 seeded ones)."""
+    Not every damage is survived: a flipped node size or page number can send LMDB's read past the file's
+    end, which is SIGBUS (2 files in 1,000 so damaged; none of these 30 seeded ones). Extending data.mdb
+    sparsely to the map size does not help: the same reads then run past the map, SIGSEGV."""
     rng = random.Random(SEED)
     base = tmp_path / "base"
     base.mkdir()

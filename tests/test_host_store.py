@@ -168,3 +168,28 @@ def test_device_tensors_copy_through_the_pinned_slab() -> None:
     out = torch.empty_like(kv)
     store.read(key(0), lambda view: as_bytes(out).copy_(view))
     assert torch.equal(out, kv)
+
+
+def test_pinned_values_are_passed_over_by_the_lru_until_unpinned_or_deleted() -> None:
+    store = make_store(3)
+    store.put_many([(key(i), value(i)) for i in range(3)])
+    assert store.pin([key(0), key(1), key(9)]) == 2  # key 9 is not there
+    store.put_many([(key(3), value(3))])  # evicts 2, the only unpinned one
+    store.put_many([(key(4), value(4))])  # evicts 3
+    assert [store.contains_prefix([key(i)]) for i in range(5)] == [1, 1, 0, 0, 1]
+    assert not store.put_many([(key(5), value(5)), (key(6), value(6))])  # one slot is not pinned: refused whole
+    store.unpin([key(0)])
+    store.put_many([(key(5), value(5))])
+    assert store.contains_prefix([key(0)]) == 0 and store.contains_prefix([key(1)]) == 1
+    store.delete_many([key(1)])  # a delete ends the pin: the slot is free for anyone
+    store.put_many([(key(6), value(6)), (key(7), value(7))])
+    assert store.stats().num_entries == 3 and store.contains_prefix([key(1)]) == 0
+
+
+def test_a_slab_of_pinned_values_refuses_a_write() -> None:
+    store = make_store(2)
+    store.put_many([(key(0), value(0)), (key(1), value(1))])
+    store.pin([key(0), key(1)])
+    with pytest.raises(StoreUnavailableError, match="pinned"):
+        store.write(key(2), 1, lambda view: None)
+    assert store.get_many([key(0), key(1)]) == [value(0), value(1)]

@@ -1,5 +1,5 @@
-"""QoS and pins on the real daemon: classes per tenant, 503 with Retry-After past the queue limit,
-/admin/pins (pin, list, budget, unpin) and pins restored after a restart."""
+"""QoS and pins on the real daemon: classes per tenant, 503 with Retry-After past the queue limit and when
+low is shed, /admin/pins (pin, list, budget, unpin) and pins restored after a restart."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ TENANT = "X-Kvtierd-Tenant"
 ENV = {
     "KVTIERD_MAX_NUM_SEQS": "1",  # one request at a time: the next one queues
     "KVTIERD_QOS_MAX_QUEUE_S": "high=0.5,normal=0.5,low=0.5",
+    "KVTIERD_SHED_LOW_AFTER_S": "0.05",  # queued low requests are refused once a high one has waited this long
     "KVTIERD_PIN_SHARE": "0.02",  # 256 MiB of fp32 SmolLM2 pages: 364 pages, 7 of them for pins
     "KVTIERD_TENANT_CLASSES": "vip=high",
     "KVTIERD_TENANT_MAX_CLASSES": "batch=low",
@@ -65,6 +66,28 @@ def test_a_request_waiting_past_its_class_limit_gets_503_with_retry_after(daemon
     assert "overloaded" in short.json()["error"]["message"]
     with daemon.client() as c:
         assert c.get("/admin/status").json()["engine"]["qos"]["classes"]["low"]["rejected"] >= 1
+
+
+def test_a_queued_low_request_is_shed_with_503_while_a_high_one_waits(daemon):
+    async def main():
+        async with daemon.async_client() as c:
+            long = asyncio.create_task(c.post("/v1/completions", json={
+                "prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 200, "temperature": 0, "priority": "high"}))
+            await asyncio.sleep(0.3)
+            # The one seat is taken by a high request, which a high one cannot preempt: both queue (the
+            # second high one times out or runs, either is fine here).
+            low, _ = await asyncio.gather(*(c.post("/v1/completions", json={
+                "prompt": "Hi", "max_tokens": 1, "priority": cls}) for cls in ("low", "high")))
+            return await long, low
+
+    long, low = asyncio.run(main())
+    assert long.status_code == 200
+    assert low.status_code == 503, low.text
+    assert int(low.headers["Retry-After"]) >= 1 and "shed" in low.json()["error"]["message"]
+    with daemon.client() as c:
+        qos = c.get("/admin/status").json()["engine"]["qos"]
+        assert qos["shed"] == 1
+        assert "kvtierd_qos_shed_total 1.0" in c.get("/metrics").text
 
 
 def test_pins_are_listed_budgeted_refused_past_the_budget_and_removed(daemon):

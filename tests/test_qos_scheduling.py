@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fake_clock import FakeClock
 from kvtierd.cache.block_hash import namespace_root
 from kvtierd.engine.config import QosConfig
 from kvtierd.engine.qos_queue import QosQueue
-from kvtierd.engine.request import Request
+from kvtierd.engine.request import FinishReason, Request
 from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.tiers.config import TierConfig
 
 TENANT_A = namespace_root("model-1", "a")
 TENANT_B = namespace_root("model-1", "b")
@@ -73,6 +76,24 @@ def test_requests_past_their_class_limit_time_out():
     assert [r.request_id for r in late] == ["h"] and len(q) == 1
 
 
+def test_queued_low_requests_are_shed_once_a_high_one_has_waited_long_enough():
+    clock = FakeClock(100.0)
+    q = QosQueue(WEIGHTS, aging_s=10.0, clock=clock)
+    for rid, cls in (("l1", "low"), ("l2", "low"), ("n", "normal")):
+        q.add(make_request(rid, cls, arrival=clock.now))
+    preempted = make_request("l-preempted", "low", arrival=clock.now)
+    preempted.first_scheduled_time = clock.now  # it ran already: no longer the queue's to refuse
+    q.add(preempted, front=True)
+    clock.advance(30.0)
+    assert q.shed_low(2.0) == []  # low alone waits as long as it likes (up to its own max_queue_s)
+    q.add(make_request("h", "high", arrival=clock.now))
+    clock.advance(1.0)
+    assert q.shed_low(2.0) == [] and q.shed_low(0.0) == []  # high has not waited long enough; 0 is off
+    clock.advance(1.0)
+    assert [r.request_id for r in q.shed_low(2.0)] == ["l1", "l2"]
+    assert sorted(r.request_id for r in q) == ["h", "l-preempted", "n"]
+
+
 # --- the engine, on the real model ----------------------------------------------------------------
 
 GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
@@ -115,6 +136,30 @@ def test_a_high_request_preempts_low_ones_which_resume_with_identical_output(loa
     assert tight.kv.pool.num_high_blocks == 0 and tight.kv.num_free_blocks == tight.kv.pool.num_blocks
 
 
+def test_preempted_requests_resume_from_the_host_tier_their_evicted_pages_went_to(loaded, make_engine):
+    """Preemption frees a request's pages without forgetting them: its full pages stay indexed, and when the
+    high request's allocations evict them they are saved to the host tier on the way out. Resumed, the low
+    requests load them back (the restore planner finds that cheaper on a CPU) and end as if never stopped."""
+    prompts = [chat(loaded, f"Tell me fact number {i} about paging, at some length please.") for i in range(4)]
+    urgent = chat(loaded, "Quick: name a prime number, and then another one, and a third.")
+    roomy = make_engine(block_size=4, kv_tokens=4096).generate(prompts + [urgent], GREEDY)
+    tight = make_engine(block_size=4, kv_tokens=2 * (len(prompts[0]) + 16),
+                        tiers=TierConfig(host_bytes=64 << 20, disk_bytes=0, chunk_pages=2))
+    lows = [tight.add_request(p, GREEDY, qos_class="low") for p in prompts]
+    outs: dict[str, list[int]] = {}
+    for _ in range(3):
+        for o in tight.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+    high = tight.add_request(urgent, GREEDY, qos_class="high")
+    while tight.has_unfinished():
+        for o in tight.step():
+            outs.setdefault(o.request_id, []).extend(o.token_ids)
+    host = tight.tier_stats()[0]
+    assert tight.counters.preemptions > 0 and host.writes > 0 and host.hits > 0
+    assert [outs[r] for r in lows + [high]] == roomy
+    assert tight.kv.num_free_blocks == tight.kv.pool.num_blocks
+
+
 def test_low_completes_under_sustained_high_load(loaded, make_engine):
     engine = make_engine(block_size=4, kv_tokens=1024, max_num_seqs=1,
                          qos=QosConfig(aging_s=0.05, weights={"high": 8.0, "normal": 4.0, "low": 1.0}))
@@ -127,3 +172,25 @@ def test_low_completes_under_sustained_high_load(loaded, make_engine):
         engine.add_request(chat(loaded, "more high"), params, qos_class="high")  # never fewer than 4 waiting
         done += [o.request_id for o in engine.step() if o.finished]
         assert len(done) < 200, "the low request starved"
+
+
+@pytest.mark.parametrize("shed_low_after_s", [0.0, 1e-6])
+def test_a_waiting_high_request_sheds_queued_low_ones_only_when_shedding_is_on(loaded, make_engine, shed_low_after_s):
+    """One seat: a high request runs, a low one queues, then a second high one queues behind the first (high
+    does not preempt high). 1e-6 s: shed as soon as a high request has waited one step."""
+    engine = make_engine(block_size=4, kv_tokens=1024, max_num_seqs=1, qos=QosConfig(shed_low_after_s=shed_low_after_s))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    engine.add_request(chat(loaded, "first high"), params, qos_class="high")
+    engine.step()
+    low = engine.add_request(chat(loaded, "low"), params, qos_class="low")
+    assert engine.step() and low in engine.requests  # waiting behind a running high: not shed
+    engine.add_request(chat(loaded, "second high"), params, qos_class="high")
+    finished: dict[str, FinishReason] = {}
+    while engine.has_unfinished():
+        finished.update((o.request_id, o.finish_reason) for o in engine.step() if o.finished)
+    if shed_low_after_s:
+        assert finished[low] is FinishReason.SHED and engine.counters.shed == 1
+    else:
+        assert finished[low] is FinishReason.LENGTH and engine.counters.shed == 0
+    assert engine.counters.rejected == {"high": 0, "normal": 0, "low": 0}
+    assert list(finished.values()).count(FinishReason.LENGTH) == (2 if shed_low_after_s else 3)

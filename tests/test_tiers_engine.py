@@ -116,8 +116,11 @@ def test_a_request_prefetches_its_chunks_from_disk_to_the_host_tier(loaded, make
     outputs = []
     while engine.has_unfinished():
         outputs += [o for o in engine.step() if o.request_id == rid]
-    assert outputs[0].cached_tokens_by_tier["host"] >= 64 and outputs[0].cached_tokens_by_tier["disk"] == 0
+    # Served from the host copy, counted for the disk tier that had it.
+    assert outputs[0].cached_tokens_by_tier["disk"] >= 64 and outputs[0].cached_tokens_by_tier["host"] == 0
     assert outputs[0].restore.decision == "load"
+    host, disk = engine.tier_stats()[:2]
+    assert host.hits == 0 and disk.hits == disk.prefetched and engine.tiers.planner.rates()[0].keys() == {"host"}
     assert_same_output(outputs, cold(prompt))
     engine.close()
 
@@ -139,3 +142,25 @@ def test_recomputing_is_chosen_when_it_is_cheaper_than_loading(loaded, make_engi
     assert warm[0].cached_tokens_by_tier["host"] == 0
     assert planner.decisions["recompute"] == 1 and "partial" not in planner.decisions
     assert_same_output(warm, cold(prompt))
+
+
+def test_a_session_pinned_to_the_disk_tier_pins_each_new_turn(loaded, make_engine, tmp_path):
+    tok = loaded.tokenizer
+    messages = [{"role": "system", "content": "You are a terse assistant for a KV-cache daemon. " * 4},
+                {"role": "user", "content": "What is a KV page?"}]
+    engine = make_engine(tiers=TierConfig(host_bytes=64 << 20, disk_bytes=256 << 20, disk_path=tmp_path,
+                                          chunk_pages=4))
+    reply = tok.decode(tokens(run_one(engine, tok.encode_chat(messages), session_id="s")))
+    pin = engine.pin_session("pin-s", "s", tier="disk")
+    held = engine.tiers.pins["pin-s"]
+    assert pin.tier == "disk" and pin.block_ids == [] and engine.kv.pool.num_pinned_blocks == 0
+    assert len(held.keys) >= 2 and engine.tiers.disk.contains_prefix(list(held.keys)) == len(held.keys)
+    messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": "And a page table?"}]
+    run_one(engine, tok.encode_chat(messages), session_id="s")
+    followed = engine.tiers.pins["pin-s"]
+    # The chain grew: its whole chunks stay pinned, its partial last chunk is now a longer one.
+    assert followed.nbytes > held.nbytes and followed.keys[: len(held.keys) - 1] == held.keys[:-1]
+    assert followed.keys[-1] != held.keys[-1]
+    assert engine.tiers.disk.contains_prefix(list(followed.keys)) == len(followed.keys)
+    assert engine.unpin("pin-s") is not None and "pin-s" not in engine.tiers.pins
+    engine.close()

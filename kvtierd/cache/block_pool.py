@@ -37,6 +37,10 @@ Pins: a pinned page is never evicted, expired or handed out while pinned,
 held or not: when idle it stays out of the free pages. Invalidation still
 unindexes it (stale KV is never served); it stays pinned until unpinned.
 
+Compaction (`cache/compaction.py`) renames pages by a permutation of their
+ids (`renumber`) once their KV was copied the same way: every order the pool
+keeps stays, and the pages that hold nothing go first in line for reuse.
+
 Running out of pages is a normal outcome (`allocate` returns None and the
 caller waits or preempts); a broken count is a bug and asserts.
 """
@@ -402,6 +406,41 @@ class BlockPool:
         self.evictions.invalidated += n
         return n
 
+    # -- compaction ---------------------------------------------------------------------
+
+    def renumber(self, new_id: Sequence[int], free: Sequence[int]) -> None:
+        """Renames each page b to new_id[b] (a permutation of every id) wherever the pool names it.
+
+        `free` (new ids, ascending) are the pages that hold nothing: they go
+        first in line for allocation, the other unreferenced uncached pages
+        (kept by session pools) after them as before. A renamed page's
+        generation moves past the old generations of both its ids, so every
+        weak reference to either id goes stale: the caller renames those that
+        were current."""
+        assert not self.evicted, "evicted chunks are saved below before pages move"
+        old_generation = self.generation
+        self.generation = _permuted(old_generation, new_id)
+        for b, new in enumerate(new_id):
+            if new != b:
+                self.generation[new] = max(old_generation[b], old_generation[new]) + 1
+        self._ref_counts = _permuted(self._ref_counts, new_id)
+        self._high_refs = _permuted(self._high_refs, new_id)
+        uncached = [new_id[b] for b in self._uncached]
+        first = set(free)
+        self._uncached = OrderedDict.fromkeys([*free, *(b for b in uncached if b not in first)])
+        assert len(self._uncached) == len(uncached), "a page holding nothing was not free"
+        self._idle_cached = OrderedDict.fromkeys(new_id[b] for b in self._idle_cached)
+        self._rate_sweep = [new_id[b] for b in self._rate_sweep]
+        self._policy.renumber(new_id)
+        self._by_hash = {h: new_id[b] for h, b in self._by_hash.items()}
+        self._cached = {new_id[b]: page for b, page in self._cached.items()}
+        self._children = {h: {new_id[b] for b in pages} for h, pages in self._children.items()}
+        self.tags = {new_id[b]: tags for b, tags in self.tags.items()}
+        self._tagged = {tag: {new_id[b] for b in pages} for tag, pages in self._tagged.items()}
+        self.hits = {new_id[b]: n for b, n in self.hits.items()}
+        self.last_access = {new_id[b]: t for b, t in self.last_access.items()}
+        self._pins = Counter({new_id[b]: n for b, n in self._pins.items()})
+
     # -- reports ------------------------------------------------------------------------
 
     def idle_cached_blocks(self) -> list[int]:
@@ -490,3 +529,10 @@ class BlockPool:
                 self._uncached.move_to_end(b, last=False)
             n += 1
         return n
+
+
+def _permuted(values: list[int], new_id: Sequence[int]) -> list[int]:
+    out = [0] * len(values)
+    for b, value in enumerate(values):
+        out[new_id[b]] = value
+    return out

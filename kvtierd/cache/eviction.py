@@ -32,6 +32,7 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvtierd.cache.block_hash import BlockHash
@@ -91,6 +92,14 @@ class EvictionPolicy(ABC):
         self.discard(block_id)
         return block_id
 
+    def renumber(self, new_id: Sequence[int]) -> None:
+        """Renames every page b to new_id[b] (compaction); the order pages go in stays as it was."""
+        for page in self._pages.values():
+            page.block_id = new_id[page.block_id]
+        self._pages = {page.block_id: page for page in self._pages.values()}
+        self._by_hash = {h: new_id[b] for h, b in self._by_hash.items()}
+        self._renumbered(new_id)
+
     def _idle_parent(self, page: IdlePage) -> IdlePage | None:
         if page.parent_hash is None:
             return None
@@ -107,6 +116,9 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def _choose(self) -> int: ...
+
+    @abstractmethod
+    def _renumbered(self, new_id: Sequence[int]) -> None: ...
 
 
 class LRUPolicy(EvictionPolicy):
@@ -130,6 +142,9 @@ class LRUPolicy(EvictionPolicy):
 
     def _choose(self) -> int:
         return next(iter(self._queue))
+
+    def _renumbered(self, new_id: Sequence[int]) -> None:
+        self._queue = OrderedDict.fromkeys(new_id[b] for b in self._queue)
 
 
 class _LeafHeapPolicy(EvictionPolicy):
@@ -184,6 +199,11 @@ class _LeafHeapPolicy(EvictionPolicy):
             _, entry, b = heapq.heappop(self._heap)
             if self._entry_of.get(b) == entry:
                 return b
+
+    def _renumbered(self, new_id: Sequence[int]) -> None:
+        # Entry ids are unique, so no comparison reaches the page: the heap stays a heap.
+        self._heap = [(key, entry, new_id[b]) for key, entry, b in self._heap]
+        self._entry_of = {new_id[b]: entry for b, entry in self._entry_of.items()}
 
 
 class LFUPolicy(_LeafHeapPolicy):

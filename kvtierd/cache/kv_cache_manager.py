@@ -29,6 +29,11 @@ tries. A tenant's pages after a public prefix chain from the public page's
 hash rebased onto the tenant's root (`block_hash.rebase`), so only the public
 part is ever shared.
 
+Compaction (`cache/compaction.py`): between two steps, `plan_compaction`
+says which live pages move where, the caller copies their KV on the device,
+and `apply_compaction` renames them in the block pool, the page tables, the
+session pools and the pins.
+
 QoS and pins: a high-class sequence (`high=True` at its first allocation or
 adoption) may take the pool's reserved pages, and its pages count against the
 reserve (`cache/reserved_region.py`). Pinned prefixes and sessions
@@ -37,6 +42,7 @@ reserve (`cache/reserved_region.py`). Pinned prefixes and sessions
 
 from __future__ import annotations
 
+import logging
 import time
 from array import array
 from collections.abc import Callable, Sequence
@@ -44,14 +50,18 @@ from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import BlockHash, hash_full_blocks, rebase
 from kvtierd.cache.block_pool import BlockPool
+from kvtierd.cache.compaction import CompactionPlan, plan_compaction, rename_pages
+from kvtierd.cache.fragmentation import Fragmentation, PageUse, measure, page_use
 from kvtierd.cache.page_table import PageTable
-from kvtierd.cache.pins import Pin, PinError, Pins
+from kvtierd.cache.pins import Pin, PinBudgetError, PinError, Pins
 from kvtierd.cache.reserved_region import ReservedRegion
 from kvtierd.cache.session_pool import SessionChain, SessionKey, SessionPools
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, FoundChunk, spans_of
 from kvtierd.tiers.restore_planner import NOTHING_BELOW, ChunkCost, RestorePlan
-from kvtierd.tiers.tier_manager import TierManager
+from kvtierd.tiers.tier_manager import PIN_TIERS, TierManager, TierPinError
 
+
+log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Allocation:
@@ -259,7 +269,8 @@ class KVCacheManager:
             if fresh is None:
                 break
             self.demote_evicted()  # the allocation may have evicted pages: save them before they are overwritten
-            if not self.tiers.load(found, skip, fresh):
+            tier = self.tiers.load(found, skip, fresh)
+            if tier is None:
                 self.pool.release(fresh, high)
                 break
             for i, b in enumerate(fresh, start=skip):
@@ -270,7 +281,7 @@ class KVCacheManager:
                     self.pool.hits[b] = 1
                 hashes.append(span.block_hashes[i])
             block_ids += fresh
-            by_tier[found.tier] = by_tier.get(found.tier, 0) + len(fresh) * self.block_size
+            by_tier[tier] = by_tier.get(tier, 0) + len(fresh) * self.block_size
         # Loaded pages count as this sequence's own: a session that brought them back may drop them.
         return PrefixHit(block_ids, hashes, len(block_ids) * self.block_size, "prefix" if block_ids else "none",
                          own_from=len(hit.block_ids), tokens_by_tier=by_tier, restore=plan)
@@ -355,9 +366,11 @@ class KVCacheManager:
 
     def _copies(self, root: BlockHash, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
                 block_ids: Sequence[int]) -> list[ChunkCopy]:
+        """The chain's chunks, each with its device pages when `block_ids` has them all (else none)."""
         assert self.tiers is not None
         spans = spans_of(root, block_hashes, token_ids, self.block_size, self.tiers.chunk_pages)
-        return [ChunkCopy(s, tuple(block_ids[s.first_page : s.first_page + s.num_pages])) for s in spans]
+        return [ChunkCopy(s, tuple(block_ids[s.first_page : s.first_page + s.num_pages])
+                          if len(block_ids) >= s.first_page + s.num_pages else ()) for s in spans]
 
     def commit(self, seq_id: str, root: BlockHash, token_ids: Sequence[int], num_computed: int,
                tag: str | None = None) -> None:
@@ -398,8 +411,10 @@ class KVCacheManager:
             block_hashes=table.block_hashes[: num_computed // self.block_size],
             public_blocks=table.public_blocks, own_from=table.own_from, last_used=0.0))
         pin = self.pins.session_pin(key)
-        if pin is not None:
+        if pin is not None and pin.tier == "device":
             self.pins.follow(pin, list(pages))
+        elif pin is not None:
+            self._follow_below(pin, key)
 
     def session_view(self, key: SessionKey, now: float | None = None) -> SessionView | None:
         """A session's context pool as it stands: each page, and whether it still holds the session's KV."""
@@ -487,24 +502,52 @@ class KVCacheManager:
 
     def expire(self, now: float | None = None) -> int:
         """Evicts a bounded number of expired idle cached pages and idle sessions' KV; call between steps."""
-        self.pins.expire(now)
+        for pin in self.pins.expire(now):
+            if pin.tier != "device" and self.tiers is not None:
+                self.tiers.unpin(pin.pin_id)
         return self.pool.expire(now) + self.expire_sessions(now)
 
     # -- pins --------------------------------------------------------------------------------
 
-    def pin_prefix(self, pin_id: str, root: BlockHash, token_ids: Sequence[int], ttl_s: float | None = None) -> Pin | None:
-        """Pins the cached full pages of `token_ids` in namespace `root`; None when they are not all
-        cached (compute the prefix, then pin again). Raises PinError (over budget, too short)."""
+    def pin_prefix(self, pin_id: str, root: BlockHash, token_ids: Sequence[int], ttl_s: float | None = None,
+                   tier: str = "device") -> Pin | None:
+        """Pins the full pages of `token_ids` in namespace `root` on the device, or their chunks in the host or
+        disk tier; None when they are not all cached (compute the prefix, then pin again). Raises PinError
+        (over budget, too short, no such tier)."""
         n = len(token_ids) // self.block_size
         if n == 0:
             raise PinError(f"a prefix of {len(token_ids)} tokens has no full page of {self.block_size} to pin")
-        blocks, _ = self._lookup(root, token_ids[: n * self.block_size])
+        pin = Pin(pin_id, "prefix", root, self._expiry(ttl_s), tuple(token_ids), tier=tier)
+        full = token_ids[: n * self.block_size]
+        blocks, hashes = self._lookup(root, full)
+        if tier != "device":
+            if len(hashes) < n:  # the chain's hashes, whether or not its pages are on the device
+                hashes = hash_full_blocks(root, full, self.block_size, algorithm=self.hash_algorithm)
+            return self._pin_below(pin, self._copies(root, hashes, full, blocks))
         if len(blocks) < n:
             return None
-        return self.pins.add(Pin(pin_id, "prefix", root, self._expiry(ttl_s), tuple(token_ids)), blocks)
+        return self.pins.add(pin, blocks)
 
-    def pin_session(self, pin_id: str, key: SessionKey, ttl_s: float | None = None) -> Pin:
-        """Pins a session's resident context pool and keeps pinning it as it grows (see cache/pins.py)."""
+    def pin_session(self, pin_id: str, key: SessionKey, ttl_s: float | None = None, tier: str = "device") -> Pin:
+        """Pins a session's context pool (its resident pages on the device, its chunks in the host or disk
+        tier) and keeps pinning it as it grows (see cache/pins.py)."""
+        pin = Pin(pin_id, "session", key[0], self._expiry(ttl_s), session_id=key[1], tier=tier)
+        if tier != "device":
+            pinned = self._pin_below(pin, self._session_copies(key))
+            if pinned is None:
+                raise PinError(f"session {key[1]!r}'s KV is neither on the device nor in the {tier} tier any more; "
+                               "pin it after its next turn")
+            return pinned
+        return self.pins.add(pin, self._resident_pages(key))
+
+    def unpin(self, pin_id: str) -> Pin | None:
+        pin = self.pins.remove(pin_id)
+        if pin is not None and pin.tier != "device" and self.tiers is not None:
+            self.tiers.unpin(pin_id)
+        return pin
+
+    def _resident_pages(self, key: SessionKey) -> list[int]:
+        """The session pool's leading pages still holding its KV."""
         chain = self.sessions.get(key)
         pages: list[int] = []
         if chain is not None:
@@ -512,13 +555,58 @@ class KVCacheManager:
                 if self.pool.generation[b] != gen:
                     break
                 pages.append(b)
-        return self.pins.add(Pin(pin_id, "session", key[0], self._expiry(ttl_s), session_id=key[1]), pages)
+        return pages
 
-    def unpin(self, pin_id: str) -> Pin | None:
-        return self.pins.remove(pin_id)
+    def _session_copies(self, key: SessionKey) -> list[ChunkCopy]:
+        """The chunks of a session's chain, with the device pages of those still resident."""
+        chain = self.sessions.get(key)
+        if chain is None:
+            return []
+        if chain.public_blocks:
+            raise PinError("a session that starts with a public prefix can be pinned on the device only")
+        return self._copies(key[0], chain.block_hashes, chain.token_ids, self._resident_pages(key))
+
+    def _pin_below(self, pin: Pin, copies: list[ChunkCopy]) -> Pin | None:
+        if pin.tier not in PIN_TIERS:
+            raise PinError(f"tier must be device, {' or '.join(PIN_TIERS)}, not {pin.tier!r}")
+        if self.tiers is None:
+            raise PinError(f"there is no {pin.tier} tier: turn the lower tiers on, or pin to the device")
+        share = self.pins.budget_pages / self.pool.num_blocks
+        try:
+            if not self.tiers.pin(pin.tier, pin.pin_id, copies, share):
+                return None
+        except TierPinError as e:
+            raise (PinBudgetError if "budget" in str(e) else PinError)(str(e)) from e
+        return self.pins.add(pin, [])
+
+    def _follow_below(self, pin: Pin, key: SessionKey) -> None:
+        """Moves a session's pin below the device to its chain after a turn (its new chunks are written there
+        now, on this thread); past the tier's budget the pin keeps what it held."""
+        try:
+            self._pin_below(pin, self._session_copies(key))
+        except PinError as e:
+            log.warning("pin %s keeps its earlier turns only: %s", pin.pin_id, e)
 
     def _expiry(self, ttl_s: float | None) -> float | None:
         return None if ttl_s is None else self._clock() + ttl_s
+
+    # -- compaction --------------------------------------------------------------------------
+
+    def page_use(self) -> PageUse:
+        return page_use(self.pool, self._tables.values(), self.sessions, self.pins)
+
+    def fragmentation(self) -> Fragmentation:
+        return measure(self.page_use())
+
+    def plan_compaction(self) -> CompactionPlan:
+        """Where each live page goes (cache/compaction.py). Copy `plan.copies` on the device, then
+        `apply_compaction(plan)`, with nothing in between: call between two engine steps."""
+        self.demote_evicted()  # evicted chunks are saved below from the pages they are in now
+        return plan_compaction(self.page_use())
+
+    def apply_compaction(self, plan: CompactionPlan) -> None:
+        """Renames every page as `plan` says, once its copies were made on the device."""
+        rename_pages(plan, self.pool, self._tables.values(), self.sessions, self.pins)
 
     # -- lifetime --------------------------------------------------------------------------
 

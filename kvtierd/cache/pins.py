@@ -1,4 +1,9 @@
-"""Pins: prefixes and sessions whose device pages are never evicted while pinned.
+"""Pins: prefixes and sessions whose pages are never evicted while pinned.
+
+A pin names its tier. On the device (the default) it holds pages, as below;
+on the host or disk tier it holds the chain's chunks there (the tier manager
+keeps them out of its LRU, under a budget of its own: `TierManager.pin`), and
+no device page.
 
 A pin holds every page of its chain from the first one (pinning only a tail
 would not help: evicting an unpinned head strands it). A prefix pin holds the
@@ -39,6 +44,7 @@ class Pin:
     token_ids: tuple[int, ...] = ()  # a prefix pin's tokens
     session_id: str | None = None  # a session pin's session
     block_ids: list[int] = field(default_factory=list)  # the pages it holds, from the chain's start
+    tier: str = "device"  # "device", "host" or "disk"
 
     @property
     def session_key(self) -> SessionKey | None:

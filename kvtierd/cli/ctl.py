@@ -548,6 +548,11 @@ def _clip(text: str, limit: int) -> str:
 
 
 from kvtierd.cli import pin_commands  # noqa: E402,F401  registers pin, unpin and pins on `app` (uses the helpers above)
+from kvtierd.cli import compact_command  # noqa: E402,F401  registers compact on `app`
+from kvtierd.cli import advise_command  # noqa: E402,F401  registers advise on `app`
 
 if __name__ == "__main__":  # pragma: no cover - `python -m kvtierd.cli.ctl`
-    app()
+    # This file runs as __main__ here; the command modules above registered on kvtierd.cli.ctl's own `app`.
+    from kvtierd.cli.ctl import app as registered
+
+    registered()

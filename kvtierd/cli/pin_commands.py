@@ -1,4 +1,4 @@
-"""kvtierctl pin | unpin | pins: prefixes and sessions kept on the device (/admin/pins)."""
+"""kvtierctl pin | unpin | pins: prefixes and sessions kept on the device, the host or the disk tier (/admin/pins)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,9 @@ def pin(
     token_ids: TokenIdsOpt = None,
     tenant: Annotated[Optional[str], typer.Option("--tenant", help="The prefix's namespace (public: the public one).")] = None,
     ttl: Annotated[Optional[float], typer.Option("--ttl", help="Seconds until the pin lapses (default: never).")] = None,
+    tier: Annotated[str, typer.Option("--tier", help="device, host or disk: where it is never evicted from.")] = "device",
 ) -> None:
-    """Pin a session or a prefix on the device: its pages are never evicted while pinned (computed first if needed)."""
+    """Pin a session or a prefix in a tier: its KV is never evicted from there while pinned (computed first if needed)."""
     prefix = _prefix_body(text, file, messages_file, token_ids, required=False)
     if bool(prefix) == (session is not None):
         _fail("give --session ID or a prefix (--text, --file, --messages-file or --token-ids)", 2)
@@ -32,13 +33,19 @@ def pin(
         body["tenant"] = tenant
     if ttl is not None:
         body["ttl_s"] = ttl
+    if tier != "device":
+        body["tier"] = tier
     data = _call(ctx, "POST", "/admin/pins", body=body)
     if ctx.obj.json:
         _print_json(data)
-    else:
+    elif tier == "device":
         p = data["pin"]
         typer.echo(f"pinned {p['kind']} as {p['id']}: {_count(p['pages'])} pages "
                    f"({_count(data['pinned_pages'])} of {_count(data['budget_pages'])} pinned pages used)")
+    else:
+        p, used = data["pin"], data[tier]
+        typer.echo(f"pinned {p['kind']} as {p['id']} in the {tier} tier: {_mib(p['bytes'])} "
+                   f"({_mib(used['pinned_bytes'])} of its {_mib(used['budget_bytes'])} pin budget used)")
 
 
 @app.command()
@@ -61,10 +68,14 @@ def render_pins(data: dict[str, Any]) -> Table:
     rows = data["pins"]
     table = Table(title=f"Pins ({_count(data['pinned_pages'])} of {_count(data['budget_pages'])} budget pages)",
                   caption=None if rows else "no pins", box=box.SIMPLE_HEAD)
-    for name in ("Id", "Kind", "Tenant", "Session", "Pages", "Tokens", "Tier", "Expires in"):
-        table.add_column(name, justify="right" if name in ("Pages", "Tokens") else "left")
+    for name in ("Id", "Kind", "Tenant", "Session", "Pages", "Tokens", "Tier", "Size", "Expires in"):
+        table.add_column(name, justify="right" if name in ("Pages", "Tokens", "Size") else "left")
     for p in rows:
         _row(table, p["id"], p["kind"], p["tenant"], p["session_id"] or "", _count(p["pages"]),
-             _count(p["num_tokens"]), p["tier"],
+             _count(p["num_tokens"]), p["tier"], "" if p["bytes"] is None else _mib(p["bytes"]),
              "never" if p["expires_in_s"] is None else _duration(max(0.0, p["expires_in_s"])))
     return table
+
+
+def _mib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 20):,.1f} MiB"

@@ -4,7 +4,9 @@ Each step runs on one worker thread, so the event loop keeps serving while the
 model computes. The engine is only ever touched by that thread during a step
 and by the event loop between steps: requests added or cancelled mid-step are
 applied as soon as the step returns, so a cancelled request's pages are free
-before the next step is scheduled.
+before the next step is scheduled. When the engine goes idle, the step thread
+compacts its pages if they are fragmented past `compact_threshold`; edits
+made meanwhile wait for it as they wait for a step.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pending: list[Callable[[], None]] = []  # engine edits made while a step runs
         self._stepping = False
+        self._compact_when_idle = False  # a step ran since the engine was last idle
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._stopped = False
@@ -62,7 +65,7 @@ class AsyncEngine:
         """Streams a request's outputs; leaving the iteration early cancels it.
 
         Invalid requests raise RequestError here, before anything is queued; one that
-        waits past its class's max_queue_s raises OverloadedError."""
+        waits past its class's max_queue_s, or is shed, raises OverloadedError."""
         if self._stopped:
             raise EngineStoppedError("the engine is shutting down")
         self.engine.validate(prompt_token_ids, params, qos_class)
@@ -125,10 +128,15 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while True:
             if not self.engine.has_unfinished():
+                if self._compact_when_idle:
+                    self._compact_when_idle = False
+                    await self._compact()
+                    continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             self._stepping = True
+            self._compact_when_idle = True
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
             except Exception as e:  # a failed step fails its requests, not the daemon
@@ -136,18 +144,36 @@ class AsyncEngine:
                 outputs = []
                 self._fail_all(e)
             finally:
-                self._stepping = False
-                pending, self._pending = self._pending, []
-                for change in pending:
-                    self._apply(change)
+                self._end_stepping()
             for out in outputs:
                 q = self._queues.get(out.request_id)
                 if q is not None:
-                    q.put_nowait(self._overloaded() if out.finish_reason is FinishReason.REJECTED else out)
+                    refused = out.finish_reason in (FinishReason.REJECTED, FinishReason.SHED)
+                    q.put_nowait(self._overloaded(out.finish_reason) if refused else out)
 
-    def _overloaded(self) -> OverloadedError:
+    async def _compact(self) -> None:
+        """Compacts the idle engine's pages if they need it, on the step thread like a step."""
+        self._stepping = True
+        try:
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.compact_if_fragmented)
+        except Exception:  # e.g. no device memory for the copy (nothing moved then): the loop goes on
+            log.exception("compaction failed")
+        finally:
+            self._end_stepping()
+
+    def _end_stepping(self) -> None:
+        """Applies the engine edits made while the step thread worked."""
+        self._stepping = False
+        pending, self._pending = self._pending, []
+        for change in pending:
+            self._apply(change)
+
+    def _overloaded(self, reason: FinishReason) -> OverloadedError:
         # Retry when about a queue's worth of work may have drained: the high class's wait limit.
         retry = max(1, round(self.engine.config.qos.max_queue_s["high"] or 5))
+        if reason is FinishReason.SHED:
+            return OverloadedError("kvtierd is overloaded: low-priority requests are shed while high-priority ones "
+                                   "wait for KV pages; retry later", retry)
         return OverloadedError("kvtierd is overloaded: the request waited past its priority's max_queue_s "
                                "without getting KV pages; retry later", retry)
 

@@ -22,6 +22,9 @@ class QosConfig:
     # `[qos] max_queue_s` sets one.
     max_queue_s: dict[str, float] = field(default_factory=lambda: {"high": 0.0, "normal": 0.0, "low": 0.0})
     aging_s: float = 10.0  # a waiting request's weight grows by 1 every aging_s seconds
+    # Load shedding: while a high request has waited this long unadmitted, queued low requests are refused
+    # (0: off). Set it below high's max_queue_s, or high times out before low is shed.
+    shed_low_after_s: float = 0.0
     reserved_share: float = 0.0  # of the device pages, only high may take (the start size when it resizes)
     reserved_min_share: float = 0.0  # floor of the resizing reserve
     reserved_max_share: float = 0.5  # ceiling of the resizing reserve
@@ -34,6 +37,8 @@ class QosConfig:
                 raise ValueError(f"qos {name} needs a value >= 0 for each of {', '.join(QOS_CLASSES)}")
         if min(self.weights.values()) <= 0 or self.aging_s <= 0:
             raise ValueError("qos weights and aging_s must be positive")
+        if self.shed_low_after_s < 0:
+            raise ValueError("qos shed_low_after_s must be 0 (off) or positive")
         shares = (self.reserved_min_share, self.reserved_share, self.reserved_max_share)
         if not 0 <= shares[0] <= shares[1] <= shares[2] <= 1:
             raise ValueError("qos reserved shares need 0 <= reserved_min_share <= reserved_share "
@@ -57,6 +62,9 @@ class EngineConfig:
     prefix_min_hits_per_hour: float = 0.0  # ... or when its hit rate stays below this after an hour (0: off)
     session_idle_ttl_s: float = 0.0  # a session's context pool goes after this long idle (0: never)
     hash_algorithm: str = "md5"  # chained block hashes: md5, sha256 or xxh3-128 (cache/block_hash.py)
+    # Compact the pages when the engine goes idle with a fragmentation ratio at least this (0: never;
+    # cache/fragmentation.py). Off for an engine built directly; the daemon's [cache] compact_threshold sets it.
+    compact_threshold: float = 0.0
     tiers: TierConfig | None = None  # host and disk tiers below the device (None: the device only)
     qos: QosConfig = field(default_factory=QosConfig)
 
@@ -69,3 +77,5 @@ class EngineConfig:
             raise ValueError(f"hash_algorithm must be one of {', '.join(HASH_FUNCTIONS)}")
         if min(self.prefix_ttl_s, self.prefix_min_hits_per_hour, self.session_idle_ttl_s) < 0:
             raise ValueError("prefix_ttl_s, prefix_min_hits_per_hour and session_idle_ttl_s must be 0 (off) or positive")
+        if not 0 <= self.compact_threshold <= 1:
+            raise ValueError("compact_threshold must be a ratio between 0 (off) and 1")

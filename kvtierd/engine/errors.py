@@ -10,7 +10,7 @@ class RequestError(ValueError):
 
 
 class OverloadedError(RuntimeError):
-    """A request that waited past its class's max_queue_s unserved (a 503 with Retry-After)."""
+    """A request refused unserved, past its class's max_queue_s or shed (a 503 with Retry-After)."""
 
     def __init__(self, message: str, retry_after_s: int) -> None:
         super().__init__(message)

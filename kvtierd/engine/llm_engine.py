@@ -13,6 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import namespace_root
+from kvtierd.cache.compaction import CompactionResult
 from kvtierd.cache.kv_cache_manager import KVCacheManager, SessionView
 from kvtierd.cache.pins import Pin
 from kvtierd.cache.reserved_region import ReservedRegion
@@ -45,7 +46,10 @@ class EngineCounters:
     remote_tokens: int = 0  # ... and from the fleet's remote tier
     generated_tokens: int = 0
     preemptions: int = 0
+    compactions: int = 0
+    compacted_pages: int = 0  # live pages moved by compactions
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(QOS_CLASSES, 0))  # per class: waited too long
+    shed: int = 0  # low requests refused while a high one waited
 
 
 @dataclass(slots=True)
@@ -186,12 +190,15 @@ class LLMEngine:
 
     # -- pins ----------------------------------------------------------------------
 
-    def pin_prefix(self, pin_id: str, token_ids: list[int], tenant: str = "", ttl_s: float | None = None) -> Pin | None:
-        """Pins a cached prefix's full pages; None when not all are cached (compute it first)."""
-        return self.kv.pin_prefix(pin_id, self._root(tenant), token_ids, ttl_s)
+    def pin_prefix(self, pin_id: str, token_ids: list[int], tenant: str = "", ttl_s: float | None = None,
+                   tier: str = "device") -> Pin | None:
+        """Pins a cached prefix's full pages (or its chunks in the host or disk tier); None when not all are
+        cached (compute it first)."""
+        return self.kv.pin_prefix(pin_id, self._root(tenant), token_ids, ttl_s, tier)
 
-    def pin_session(self, pin_id: str, session_id: str, tenant: str = "", ttl_s: float | None = None) -> Pin:
-        return self.kv.pin_session(pin_id, (self._root(tenant), session_id), ttl_s)
+    def pin_session(self, pin_id: str, session_id: str, tenant: str = "", ttl_s: float | None = None,
+                    tier: str = "device") -> Pin:
+        return self.kv.pin_session(pin_id, (self._root(tenant), session_id), ttl_s, tier)
 
     def unpin(self, pin_id: str) -> Pin | None:
         return self.kv.unpin(pin_id)
@@ -213,7 +220,8 @@ class LLMEngine:
         # Pages evicted while scheduling still hold their KV: saved below now, before the forward reuses them.
         self.kv.demote_evicted()
         self._observe_reserve()
-        rejected = [self._reject(r) for r in plan.rejected]
+        rejected = [self._reject(r, FinishReason.REJECTED) for r in plan.rejected] + \
+            [self._reject(r, FinishReason.SHED) for r in plan.shed]
         if plan.empty:
             return rejected
         t1 = time.perf_counter()
@@ -234,10 +242,14 @@ class LLMEngine:
                 log.info("reserved region resized from %d to %d pages (high's p99 page use: %d)",
                          resize.old_pages, resize.new_pages, resize.p99_pages)
 
-    def _reject(self, req: Request) -> RequestOutput:
-        """A request that waited past its class's max_queue_s: it ends unserved (the server answers 503)."""
-        req.finish_reason = FinishReason.REJECTED
-        self.counters.rejected[req.qos_class] += 1
+    def _reject(self, req: Request, reason: FinishReason) -> RequestOutput:
+        """A request refused unadmitted, REJECTED (it waited past its class's max_queue_s) or SHED (it was
+        low while a high one waited): it ends unserved (the server answers 503)."""
+        req.finish_reason = reason
+        if reason is FinishReason.SHED:
+            self.counters.shed += 1
+        else:
+            self.counters.rejected[req.qos_class] += 1
         del self.requests[req.request_id]
         self.scheduler.remove(req)
         return self._output(req, [], "", None)
@@ -306,6 +318,34 @@ class LLMEngine:
             queue_s=(req.first_scheduled_time or req.arrival_time) - req.arrival_time,
             restore=req.restore,
         )
+
+    # -- compaction -----------------------------------------------------------------
+
+    def compact(self) -> CompactionResult:
+        """Moves the live pages together and the free pages into one run (cache/compaction.py). Call
+        between two steps only: no forward may be reading the pages while they move."""
+        t0 = time.perf_counter()
+        plan = self.kv.plan_compaction()
+        self.pool.copy_blocks(plan.copies)
+        self.kv.apply_compaction(plan)
+        self.pool.synchronize()  # the time taken includes the copies
+        self.counters.compactions += 1
+        self.counters.compacted_pages += len(plan.copies)
+        return CompactionResult(len(plan.copies), plan.before, self.kv.fragmentation(), time.perf_counter() - t0)
+
+    def compact_if_fragmented(self) -> CompactionResult | None:
+        """Compacts an idle engine whose free-space or sequence fragmentation reached `compact_threshold`."""
+        threshold = self.config.compact_threshold
+        if not threshold or self.has_unfinished():
+            return None
+        frag = self.kv.fragmentation()
+        if max(frag.free_space, frag.sequence) < threshold:
+            return None
+        result = self.compact()
+        log.info("compacted the KV pages: %d moved in %.1f ms; free-space fragmentation %.2f -> %.2f, "
+                 "sequence %.2f -> %.2f", result.pages_moved, result.seconds * 1e3, result.before.free_space,
+                 result.after.free_space, result.before.sequence, result.after.sequence)
+        return result
 
     # -- lower tiers ----------------------------------------------------------------
 

@@ -18,6 +18,12 @@ Which request is admitted next:
 
 A preempted request goes back to the head of its tenant's queue and keeps
 its arrival time (it has aged already).
+
+Load shedding (`shed_low`): while a high request has waited `after_s` without
+being admitted, the low requests never admitted are refused at once. They
+hold no pages, so shedding frees none; it answers their clients now (503 with
+Retry-After) instead of at their own, longer, timeout, and keeps aging from
+handing the next free pages to low while high waits.
 """
 
 from __future__ import annotations
@@ -104,3 +110,15 @@ class QosQueue:
         for r in late:
             self.remove(r)
         return late
+
+    def shed_low(self, after_s: float) -> list[Request]:
+        """While a high request has waited `after_s` unadmitted, removes and returns the low ones never admitted."""
+        now = self._clock()
+        high_waits = after_s and any(r.first_scheduled_time is None and now - r.arrival_time >= after_s
+                                     for q in self._queues["high"].values() for r in q)
+        if not high_waits:
+            return []
+        shed = [r for q in self._queues["low"].values() for r in q if r.first_scheduled_time is None]
+        for r in shed:
+            self.remove(r)
+        return shed

@@ -18,6 +18,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens or the context window
     ABORT = "abort"  # cancelled by the client
     REJECTED = "rejected"  # waited past its class's max_queue_s without being admitted (overload)
+    SHED = "shed"  # a low request refused unadmitted while a high one waited (overload, shed_low_after_s)
 
 
 @dataclass(frozen=True, slots=True)

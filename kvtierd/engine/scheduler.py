@@ -17,7 +17,9 @@ request that outranks running ones and would not fit takes their room: the
 lower-class running requests are preempted, lowest first, until it fits. A
 preempted request's pages are freed and it goes back to the head of its queue
 to be recomputed, which reproduces the same tokens. A request that waits past
-its class's `max_queue_s` without being admitted is refused (`plan.rejected`).
+its class's `max_queue_s` without being admitted is refused (`plan.rejected`);
+while a high request has waited `shed_low_after_s`, queued low requests are
+refused too (`plan.shed`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ class StepPlan:
     prefills: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
     rejected: list[Request] = field(default_factory=list)  # waited past their class's max_queue_s
+    shed: list[Request] = field(default_factory=list)  # low, refused while a high request waits (shed_low_after_s)
 
     @property
     def scheduled(self) -> list[ScheduledRequest]:
@@ -73,6 +76,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_queue_s: Mapping[str, float] = qos.max_queue_s
+        self.shed_low_after_s = qos.shed_low_after_s
         self.waiting = QosQueue(qos.weights, qos.aging_s, time.monotonic)
         self.running: list[Request] = []  # highest class first, then in admission order
 
@@ -88,7 +92,8 @@ class Scheduler:
         self.kv.free(request.request_id)
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(rejected=self.waiting.timed_out(self.max_queue_s))
+        plan = StepPlan(rejected=self.waiting.timed_out(self.max_queue_s),
+                        shed=self.waiting.shed_low(self.shed_low_after_s))
         budget = self.max_num_batched_tokens
         fresh: set[str] = set()  # admitted this step, already in the plan
         first = self._make_room_for_waiting(plan, budget)

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from aiohttp import web
 
 from kvtierd import __version__
+from kvtierd.cache.fragmentation import Fragmentation
 from kvtierd.server.errors import ApiError
 from kvtierd.server.session_routes import query_limit, drop_session_kv, message_json, session_json
 from kvtierd.server.state import STATE, DaemonState
@@ -43,6 +44,7 @@ def qos_status(eng) -> dict:
         by_class[r.qos_class]["waiting"] += 1
     return {
         "classes": by_class,
+        "shed": eng.counters.shed,  # low requests refused while a high one waited
         "high_pages": pool.num_high_blocks,
         "reserved": None if reserve is None else {
             "pages": reserve.pages, "floor": reserve.floor, "ceiling": reserve.ceiling,
@@ -121,6 +123,23 @@ async def stats(request: web.Request) -> web.Response:
         "errors_4xx": state.counters.errors_4xx, "errors_5xx": state.counters.errors_5xx,
         "active_streams": state.counters.active_streams,
     })
+
+
+@routes.post("/admin/compact")
+async def compact(request: web.Request) -> web.Response:
+    """Moves the live KV pages together between two steps (cache/compaction.py)."""
+    state = request.app[STATE]
+    eng = state.engine.engine
+    result = await state.engine.call(eng.compact)
+    return web.json_response({
+        "pages_moved": result.pages_moved, "bytes_moved": result.pages_moved * eng.geometry.bytes_per_block,
+        "ms": result.seconds * 1e3, "before": fragmentation_json(result.before),
+        "after": fragmentation_json(result.after),
+    })
+
+
+def fragmentation_json(f: Fragmentation) -> dict:
+    return {"free_space_ratio": f.free_space, "sequence_ratio": f.sequence, **asdict(f)}
 
 
 @routes.get("/admin/sessions")

@@ -7,7 +7,8 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from kvtierd.server import admin_routes, chat_routes, metrics_routes, openapi, pin_routes, prefix_routes, session_routes
+from kvtierd.server import (admin_routes, chat_routes, metrics_routes, openapi, pin_routes, prefix_routes,
+                            session_routes, workload_routes)
 from kvtierd.server.metrics_routes import metrics_middleware
 from kvtierd.server.middleware import errors_middleware, peer_middleware
 from kvtierd.server.state import STATE, DaemonState
@@ -24,7 +25,7 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 ROUTE_TABLES = (chat_routes.routes, session_routes.routes, admin_routes.routes, prefix_routes.routes, pin_routes.routes,
-                openapi.routes, health_routes, metrics_routes.routes)
+                workload_routes.routes, openapi.routes, health_routes, metrics_routes.routes)
 
 
 async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
@@ -44,4 +45,5 @@ def make_app(state: DaemonState) -> web.Application:
     for table in ROUTE_TABLES:
         app.add_routes(table)
     app.cleanup_ctx.append(_engine_lifetime)
+    app.cleanup_ctx.append(workload_routes.workload_lifetime)
     return app

@@ -56,6 +56,7 @@ def build_state(settings: Settings) -> DaemonState:
         eviction_policy=settings.eviction_policy, prefix_ttl_s=settings.prefix_ttl_s,
         prefix_min_hits_per_hour=settings.prefix_min_hits_per_hour, session_idle_ttl_s=settings.session_idle_ttl_s,
         hash_algorithm=settings.hash_algorithm, tiers=tier_config(settings), qos=qos_config(settings),
+        compact_threshold=settings.compact_threshold,
     ))
     log.info("model %s loaded (%s, %d layers, fingerprint %s); KV pool %d pages of %d tokens",
              loaded.name, loaded.model.device, loaded.config.num_layers, loaded.fingerprint,
@@ -67,6 +68,7 @@ def build_state(settings: Settings) -> DaemonState:
 
 def qos_config(settings: Settings) -> QosConfig:
     return QosConfig(weights=settings.qos_weights, max_queue_s=settings.qos_max_queue_s, aging_s=settings.qos_aging_s,
+                     shed_low_after_s=settings.shed_low_after_s,
                      reserved_share=settings.reserved_share, reserved_min_share=settings.reserved_min_share,
                      reserved_max_share=settings.reserved_max_share, reserved_window_s=settings.reserved_window_s,
                      pin_share=settings.pin_share)

@@ -70,6 +70,15 @@ def _families(eng: LLMEngine, server: ServerCounters, uptime_s: float) -> Iterat
     yield GaugeMetricFamily("kvtierd_page_fragmentation_ratio",
                             "Unused token slots in the pages of running requests / their allocated slots.",
                             _fragmentation(eng))
+    frag = kv.fragmentation()  # cache/fragmentation.py defines both ratios
+    yield GaugeMetricFamily("kvtierd_free_space_fragmentation_ratio",
+                            "1 - the longest run of free device page ids / the free pages.", frag.free_space)
+    yield GaugeMetricFamily("kvtierd_sequence_fragmentation_ratio",
+                            "Pages of sequences, session pools and cached chains not followed by their next page "
+                            "/ all pages with a next page.", frag.sequence)
+    yield CounterMetricFamily("kvtierd_compactions", "Compactions of the device pages (kvtierctl compact, or idle "
+                              "past [cache] compact_threshold).", c.compactions)
+    yield CounterMetricFamily("kvtierd_compacted_pages", "Live device pages moved by compactions.", c.compacted_pages)
 
     step = eng.last_step
     step_s = GaugeMetricFamily("kvtierd_engine_last_step_seconds", "Duration of the last engine step, by part: "
@@ -91,7 +100,7 @@ def _families(eng: LLMEngine, server: ServerCounters, uptime_s: float) -> Iterat
 
 
 def _qos(eng: LLMEngine) -> Iterator[Metric]:
-    """The reserved region, the high class's pages, pins, and requests refused for waiting too long."""
+    """The reserved region, the high class's pages, pins, and requests refused (waited too long, or shed)."""
     pool = eng.kv.pool
     reserve = pool.reserve
     yield GaugeMetricFamily("kvtierd_reserved_pages", "Device pages only high priority may take (0: no reserve).",
@@ -106,6 +115,8 @@ def _qos(eng: LLMEngine) -> Iterator[Metric]:
     for cls, n in eng.counters.rejected.items():
         rejected.add_metric([cls], n)
     yield rejected
+    yield CounterMetricFamily("kvtierd_qos_shed", "Queued low-priority requests refused (503) while a high-priority "
+                              "one waited past shed_low_after_s.", eng.counters.shed)
 
 
 def _lower_tiers(eng: LLMEngine) -> Iterator[Metric]:

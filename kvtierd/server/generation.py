@@ -10,6 +10,7 @@ from kvtierd.engine.async_engine import AsyncEngine
 from kvtierd.engine.request import RequestOutput, TokenLogprob
 from kvtierd.engine.sampling_params import SamplingParams
 from kvtierd.server.metrics import RequestObserver
+from kvtierd.server.workload import WorkloadRecorder
 
 
 @dataclass(slots=True)
@@ -54,13 +55,17 @@ class GenerationResult:
 class Generation:
     def __init__(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, tenant: str,
                  session_id: str | None = None, tag: str | None = None,
-                 observer: RequestObserver | None = None, qos_class: str = "normal") -> None:
+                 observer: RequestObserver | None = None, qos_class: str = "normal",
+                 workload: WorkloadRecorder | None = None) -> None:
         engine.engine.validate(prompt_ids, params, qos_class)  # a bad request fails here, before any response starts
         self._stream = engine.generate(prompt_ids, params, tenant=tenant, session_id=session_id, tag=tag,
                                        qos_class=qos_class)
         self._first: RequestOutput | None = None
         self._start = time.monotonic()
         self._observer = observer
+        self._probe = None if workload is None else workload.probe(engine.engine.kv.pool,
+                                                                   engine.engine.config.block_size, tenant,
+                                                                   session_id, qos_class)
         self.result = GenerationResult(prompt_tokens=len(prompt_ids))
 
     async def first_output(self) -> None:
@@ -96,6 +101,8 @@ class Generation:
                 elif self._observer:
                     self._observer.next_token(now - last)  # each output carries one token
                 last = now
+                if self._probe is not None:
+                    self._probe.sample()
                 r.text += out.text
                 r.token_ids.extend(out.token_ids)
                 r.logprobs.extend(out.logprobs)
@@ -104,6 +111,9 @@ class Generation:
                 yield out
         finally:
             await self._stream.aclose()  # leaving early cancels the request and frees its pages
+            if self._probe is not None and r.finish_reason is not None:
+                self._probe.finish(r.prompt_tokens, r.completion_tokens, r.cached_tokens, r.cached_tokens_by_tier,
+                                   r.cache_source)
 
     async def run(self) -> GenerationResult:
         async for _ in self.outputs():

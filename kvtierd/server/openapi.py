@@ -89,7 +89,13 @@ DOCUMENT = {
                                  "schema": {"type": "string"}}}}, "503": _ERROR}}},
         "/admin/status": {"get": _op("Daemon, model and engine state", errors=(403,))},
         "/admin/tiers": {"get": _op("Per-tier capacity, use and hit rate", errors=(403,))},
+        "/admin/compact": {"post": _op("Move live KV pages together between two steps: free pages in one run, "
+                                       "each sequence's pages in order. Returns pages moved, ms and fragmentation "
+                                       "before and after", errors=(403,))},
         "/admin/stats": {"get": _op("Request and token counters", errors=(403,))},
+        "/admin/workload": {"get": _op("Recorded workload (prompt, session and idle-gap distributions, cache hits by "
+                                       "source and tier, page demand per class, page fit per block size) and the "
+                                       "cache configuration: what kvtierctl advise reads", errors=(403,))},
         "/admin/prefixes": {
             "get": {**_op("Cached prefixes: each chain's last page, most hit first", errors=(403,)),
                     "parameters": _LIMIT + [{"name": "tenant", "in": "query", "schema": {"type": "string"},
@@ -104,12 +110,13 @@ DOCUMENT = {
                                   "hash": {"type": "string", "pattern": "^[0-9a-f]+$"}, "tag": _TAG,
                                   "tenant": {"type": "string"}, "model": {"type": "string"}}, [])}},
         "/admin/pins": {
-            "get": _op("Pins (prefixes and sessions kept on the device) and the pin budget", errors=(403,)),
-            "post": {**_op("Pin a session or a prefix (in tenant's namespace or \"public\") on the device, "
-                           "for ttl_s or until unpinned", errors=(400, 403, 404, 409, 503)),
+            "get": _op("Pins (prefixes and sessions kept in a tier) and the pin budget of each tier", errors=(403,)),
+            "post": {**_op("Pin a session or a prefix (in tenant's namespace or \"public\") on the device, the host "
+                           "or the disk tier, for ttl_s or until unpinned", errors=(400, 403, 404, 409, 503)),
                      "requestBody": _body({**_PREFIX, "session_id": {"type": "string"}, "tenant": {"type": "string"},
                                            "ttl_s": {"type": "number", "exclusiveMinimum": 0,
-                                                     "maximum": 315360000}}, [])},
+                                                     "maximum": 315360000},
+                                           "tier": {"type": "string", "enum": ["device", "host", "disk"]}}, [])},
         },
         "/admin/pins/{pin_id}": {"delete": {**_op("Unpin", errors=(403, 404)), "parameters": [
             {"name": "pin_id", "in": "path", "required": True, "schema": {"type": "string"}}]}},

@@ -1,9 +1,10 @@
-"""/admin/pins: pin a prefix or a session on the device, list pins, unpin; pins outlive restarts.
+"""/admin/pins: pin a prefix or a session on the device, the host or the disk tier, list pins, unpin; pins
+outlive restarts.
 
 A pin is kept in the engine (`cache/pins.py`) and in the SQL store; at startup
-`restore_pins` pins again what the store holds: a session's pin waits for its
-next turn, a prefix not cached any more is computed again from its token ids.
-Only the device tier is pinned in this version (not host or disk).
+`restore_pins` pins again what the store holds: a device pin of a session waits
+for its next turn, a prefix not cached any more is computed again from its token
+ids; a disk pin finds its chunks still on disk.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from kvtierd.server.prefix_routes import PREFIX_FIELDS, prefix_tokens, tenant_pa
 from kvtierd.server.schemas import require_object
 from kvtierd.server.state import STATE, DaemonState
 from kvtierd.storage.session_store import PinRecord
+from kvtierd.tiers.tier_manager import PIN_TIERS, TierManager
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -38,14 +40,28 @@ def pin_json(state: DaemonState, pin: Pin) -> dict:
     return {
         "id": pin.pin_id, "kind": pin.kind, "tenant": "public" if tenant == PUBLIC_NAMESPACE else tenant,
         "session_id": pin.session_id, "pages": len(pin.block_ids),
-        "num_tokens": len(pin.token_ids) if pin.kind == "prefix" else None, "tier": "device",
+        "num_tokens": len(pin.token_ids) if pin.kind == "prefix" else None, "tier": pin.tier,
+        "bytes": _below(state).pins[pin.pin_id].nbytes if pin.tier != "device" else None,
         "expires_in_s": None if pin.expires_at is None else round(pin.expires_at - time.monotonic(), 3),
     }
 
 
 def budget_json(state: DaemonState) -> dict:
+    """Device pins count pages; host and disk pins count bytes, against the same share of each tier."""
     kv = state.engine.engine.kv
-    return {"budget_pages": kv.pins.budget_pages, "pinned_pages": kv.pool.num_pinned_blocks}
+    budget = {"budget_pages": kv.pins.budget_pages, "pinned_pages": kv.pool.num_pinned_blocks}
+    share = kv.pins.budget_pages / kv.pool.num_blocks
+    for t in state.engine.engine.tier_stats():
+        if t.name in PIN_TIERS and t.enabled:
+            budget[t.name] = {"budget_bytes": int(share * t.capacity_bytes),
+                              "pinned_bytes": _below(state).pinned_bytes(t.name)}
+    return budget
+
+
+def _below(state: DaemonState) -> TierManager:
+    tiers = state.engine.engine.tiers
+    assert tiers is not None, "a pin below the device needs the lower tiers"
+    return tiers
 
 
 @routes.get("/admin/pins")
@@ -61,7 +77,10 @@ async def add_pin(request: web.Request) -> web.Response:
     """Pins `session_id`, or a prefix (text, messages or token_ids in `tenant`'s namespace or "public"),
     for `ttl_s` seconds or until unpinned. A pin over the budget is refused (409)."""
     state = request.app[STATE]
-    body = require_object(await read_json(request), PREFIX_FIELDS | {"session_id", "tenant", "ttl_s"})
+    body = require_object(await read_json(request), PREFIX_FIELDS | {"session_id", "tenant", "ttl_s", "tier"})
+    tier = body.get("tier", "device")
+    if tier not in ("device", *PIN_TIERS):
+        raise bad_request(f"tier must be device, {' or '.join(PIN_TIERS)}", param="tier")
     ttl_s = body.get("ttl_s")
     if ttl_s is not None and (isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float))
                               or not 0 < ttl_s <= MAX_TTL_S):
@@ -75,10 +94,10 @@ async def add_pin(request: web.Request) -> web.Response:
         tenant = isinstance(sid, str) and await state.db(state.store.tenant_of, sid)
         if not tenant:
             raise ApiError(404, f"no session {sid!r}", param="session_id", code="session_not_found")
-        record = PinRecord(pin_id, tenant, "session", sid, (), _utcnow(), _expiry(ttl_s))
+        record = PinRecord(pin_id, tenant, "session", sid, (), _utcnow(), _expiry(ttl_s), tier)
     else:
         record = PinRecord(pin_id, tenant_param(body), "prefix", None, tuple(prefix_tokens(state, body)), _utcnow(),
-                           _expiry(ttl_s))
+                           _expiry(ttl_s), tier)
     pin = await pin_record(state, record, ttl_s)
     await state.db(state.store.save_pin, record)
     return web.json_response({"pin": pin_json(state, pin), **budget_json(state)}, status=201)
@@ -99,11 +118,12 @@ async def pin_record(state: DaemonState, record: PinRecord, ttl_s: float | None)
     """Pins what `record` names in the engine, computing a prefix that is not cached (PinError if refused)."""
     eng = state.engine.engine
     if record.kind == "session":
-        return await state.engine.call(lambda: eng.pin_session(record.id, record.session_id, record.tenant, ttl_s))
+        return await state.engine.call(lambda: eng.pin_session(record.id, record.session_id, record.tenant, ttl_s,
+                                                               record.tier))
     ids = list(record.token_ids)
 
     def pin() -> Pin | None:
-        return eng.pin_prefix(record.id, ids, record.tenant, ttl_s)
+        return eng.pin_prefix(record.id, ids, record.tenant, ttl_s, record.tier)
 
     found = await state.engine.call(pin)
     if found is None:

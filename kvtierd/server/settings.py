@@ -194,6 +194,9 @@ SETTINGS: tuple[Setting, ...] = (
             "an idle cached page hit fewer times an hour than this, after its first hour, expires (0: off)"),
     Setting("hash_algorithm", "cache", "hash_algorithm", "md5", one_of(*HASH_FUNCTIONS),
             "chained block hash: md5, sha256 or xxh3-128 (hits are confirmed by their tokens either way)"),
+    Setting("compact_threshold", "cache", "compact_threshold", 0.5, share,
+            "when the engine goes idle with a free-space or sequence fragmentation ratio at least this, move the "
+            "live KV pages together (0: never; kvtierctl compact does it on demand)"),
     Setting("session_idle_ttl_s", "sessions", "idle_ttl_s", 3600.0, float_at_least(0.0),
             "a session idle this long loses its KV (its messages stay in the store; 0: never)"),
     Setting("truncation", "sessions", "truncation", "turns", one_of(*TRUNCATION_POLICIES),
@@ -236,13 +239,17 @@ SETTINGS: tuple[Setting, ...] = (
             "latency target per class: the longest a request waits for admission before a 503 with Retry-After (0: no limit)"),
     Setting("qos_aging_s", "qos", "aging_s", 10.0, float_at_least(0.001),
             "seconds of waiting that add 1 to a request's weight (so low never starves)"),
+    Setting("shed_low_after_s", "qos", "shed_low_after_s", 0.0, float_at_least(0.0),
+            "load shedding: while a high request has waited this long unadmitted, queued low requests get 503 "
+            "with Retry-After (0: off; set it below high's max_queue_s)"),
     Setting("reserved_share", "qos", "reserved_share", 0.1, share,
             "share of device pages only high priority may take (the start size when it resizes)"),
     Setting("reserved_min_share", "qos", "reserved_min_share", 0.05, share, "floor of the resizing reserved region"),
     Setting("reserved_max_share", "qos", "reserved_max_share", 0.5, share, "ceiling of the resizing reserved region"),
     Setting("reserved_window_s", "qos", "reserved_window_s", 0.0, float_at_least(0.0),
             "resize the reserved region to 1.5 x the p99 of high's page use over this window (0: fixed size)"),
-    Setting("pin_share", "qos", "pin_share", 0.25, share, "share of device pages pins may hold; a pin past it is refused"),
+    Setting("pin_share", "qos", "pin_share", 0.25, share,
+            "share of each tier (device pages, host and disk bytes) pins may hold; a pin past it is refused"),
     Setting("tenant_classes", "qos", "tenant_classes", "", parse_tenant_classes,
             "default class of a tenant's requests without a priority or session class, e.g. alice=high,batch=low"),
     Setting("tenant_max_classes", "qos", "tenant_max_classes", "", parse_tenant_classes,
@@ -273,6 +280,7 @@ class Settings:
     prefix_ttl_s: float
     prefix_min_hits_per_hour: float
     hash_algorithm: str
+    compact_threshold: float
     session_idle_ttl_s: float
     truncation: str
     truncation_keep_turns: int
@@ -296,6 +304,7 @@ class Settings:
     qos_weights: dict[str, float]
     qos_max_queue_s: dict[str, float]
     qos_aging_s: float
+    shed_low_after_s: float
     reserved_share: float
     reserved_min_share: float
     reserved_max_share: float

@@ -13,6 +13,7 @@ from kvtierd.engine.async_engine import AsyncEngine
 from kvtierd.model.loader import LoadedModel
 from kvtierd.server.metrics import ServerMetrics
 from kvtierd.server.settings import Settings
+from kvtierd.server.workload import WorkloadRecorder
 from kvtierd.storage.session_store import SessionStore
 
 T = TypeVar("T")
@@ -36,6 +37,7 @@ class DaemonState:
     in_flight: int = 0
     counters: ServerCounters = field(default_factory=ServerCounters)
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    workload: WorkloadRecorder = field(default_factory=WorkloadRecorder)  # replaced by the snapshot at startup
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     # (tenant, session id) -> messages its prompt leaves out since it outgrew the window
     truncation_cuts: dict[tuple[str, str], int] = field(default_factory=dict)

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,7 +45,8 @@ from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.host_store import HostStore
 from kvtierd.storage.host_store import ALIGN
-from kvtierd.storage.kv_frame import ChunkIdentity, check_frame_head, decode_frame, frame_head, frame_nbytes
+from kvtierd.storage.kv_frame import (ChunkIdentity, check_frame_head, decode_frame, encode_frame, frame_head,
+                                      frame_nbytes)
 from kvtierd.storage.redis_keyspace import RedisKeyspace
 from kvtierd.storage.redis_store import RedisStore
 from kvtierd.storage.store_errors import CorruptValueError, StoreUnavailableError
@@ -53,11 +55,25 @@ from kvtierd.tiers.chunk_writer import ChunkWriter
 from kvtierd.tiers.config import TierConfig
 from kvtierd.tiers.epoch import Epoch
 from kvtierd.tiers.fleet_epoch import FleetEpoch
+from kvtierd.tiers.page_copy import PageCopier
 from kvtierd.tiers.restore_planner import RestorePlanner
 
 log = logging.getLogger(__name__)
 
 HOST_CODEC = "raw"  # host copies must be fast; RAM is the budget, not the ratio
+PIN_TIERS = ("host", "disk")
+
+
+class TierPinError(ValueError):
+    """A pin below the device that cannot be made as asked (its tier is off, or over its pin budget)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TierPin:
+    tier: str  # "host" or "disk"
+    keys: tuple[bytes, ...]  # the chunks it holds
+    nbytes: int  # their KV bytes: what counts against the tier's pin budget
+MAX_PREFETCHED_ORIGINS = 4096  # host keys whose origin tier is remembered until a load uses them
 MAX_HASH_BYTES = 32  # the longest block hash (sha256): host slots fit a chunk of any hash function
 
 
@@ -94,8 +110,8 @@ class TierManager:
     def __init__(self, config: TierConfig, device: DeviceKVPool, model_fingerprint: str = "") -> None:
         self.config = config
         self.chunk_pages = config.chunk_pages
-        self._device = device
         self._geometry = device.geometry
+        self._pages = PageCopier(device)
         self.host: HostStore | None = None
         self.host_reason: str | None = None
         if not config.host_bytes:
@@ -135,6 +151,9 @@ class TierManager:
         self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtierd-prefetch")
         self._prefetch_lock = threading.Lock()
         self._prefetching: dict[bytes, Future] = {}  # host key -> its copy up, until done
+        # host key -> the tier a prefetch copied it from, until a load uses it: that load counts for that tier
+        self._prefetched_from: OrderedDict[bytes, str] = OrderedDict()
+        self.pins: dict[str, TierPin] = {}  # pin id -> what it holds below the device
 
     @property
     def bytes_per_page(self) -> int:
@@ -191,27 +210,32 @@ class TierManager:
                 break
         return found
 
-    def load(self, found: FoundChunk, skip: int, block_ids: Sequence[int]) -> bool:
-        """Copies pages `skip`.. of a found chunk into the device pages `block_ids`. False when the value
-        is gone (evicted since the lookup) or fails its checks."""
+    def load(self, found: FoundChunk, skip: int, block_ids: Sequence[int]) -> str | None:
+        """Copies pages `skip`.. of a found chunk into the device pages `block_ids`; returns the tier it counts
+        for (where it was found, or where a prefetch for this request copied it from). None when the value is
+        gone (evicted since the lookup) or fails its checks."""
         span, tier = found.span, found.tier
         key = self._key(tier, span.last_hash)
         if key is None:
-            return False
+            return None
         t0 = time.perf_counter()
+        served, host_key = tier, self.epoch.key(span.last_hash)
         if tier != "host":
-            self._await_prefetch(self.epoch.key(span.last_hash))
-            if self.host is not None and self.host.contains_prefix([self.epoch.key(span.last_hash)]):
-                tier, key = "host", self.epoch.key(span.last_hash)  # prefetched meanwhile: the nearest copy
-        loaded = self._load_host(key, span, skip, block_ids) if tier == "host" else \
+            self._await_prefetch(host_key)
+            if self.host is not None and self.host.contains_prefix([host_key]):
+                served, key = "host", host_key  # prefetched meanwhile: the nearest copy
+        loaded = self._load_host(key, span, skip, block_ids) if served == "host" else \
             self._load_below(tier, key, span, skip, block_ids)
         if loaded:
             nbytes = len(block_ids) * self._geometry.bytes_per_block
-            self.planner.observe_load(tier, nbytes, time.perf_counter() - t0)
+            self.planner.observe_load(served, nbytes, time.perf_counter() - t0)
+            with self._prefetch_lock:  # a prefetched copy counts for the tier that had the chunk
+                tier = self._prefetched_from.pop(host_key, tier)
             counts = self.counts[tier]
             counts.hits += 1
             counts.hit_tokens += len(block_ids) * self._geometry.block_size
-        return loaded
+            return tier
+        return None
 
     def _load_host(self, key: bytes, span: ChunkSpan, skip: int, block_ids: Sequence[int]) -> bool:
         if self.host is None:
@@ -227,8 +251,8 @@ class TierManager:
             if frame.codec != HOST_CODEC:
                 return "codec"
             payload = value[frame.payload_offset :]
-            kv = payload.view(self._geometry.dtype).view(self._shape(span.num_pages))
-            checksum = self._scatter(kv, skip, block_ids, frame.encoded)
+            kv = payload.view(self._geometry.dtype).view(self._pages.shape(span.num_pages))
+            checksum = self._pages.scatter(kv, skip, block_ids, frame.encoded)
             return "ok" if checksum == frame.checksum else "checksum"
 
         outcome = self.host.read(key, copy)
@@ -245,8 +269,8 @@ class TierManager:
         chunk = self._fetch(tier, key, span)
         if chunk is None:
             return False
-        kv = torch.frombuffer(chunk, dtype=torch.uint8).view(self._geometry.dtype).view(self._shape(span.num_pages))
-        self._scatter(kv, skip, block_ids)
+        kv = torch.frombuffer(chunk, dtype=torch.uint8).view(self._geometry.dtype).view(self._pages.shape(span.num_pages))
+        self._pages.scatter(kv, skip, block_ids)
         if tier == "remote":
             self._fleet_epoch.remember(key)  # the fleet has it: no need to send it back
         return True
@@ -297,6 +321,12 @@ class TierManager:
                     self._put_host(host_key, found.span.identity(self._geometry),
                                    lambda out, payload=chunk: _copy_bytes(out, payload))
                     self.counts[found.tier].prefetched += 1
+                    if found.tier == "remote":
+                        self._fleet_epoch.remember(key)  # the fleet has it: no need to send it back
+                    with self._prefetch_lock:
+                        self._prefetched_from[host_key] = found.tier
+                        while len(self._prefetched_from) > MAX_PREFETCHED_ORIGINS:  # prefetched for requests
+                            self._prefetched_from.popitem(last=False)  # that never loaded them
                 finally:
                     with self._prefetch_lock:
                         del self._prefetching[host_key]
@@ -358,17 +388,76 @@ class TierManager:
                 continue
             identity = c.span.identity(self._geometry)
             if to_host:
-                self._put_host(key, identity, lambda out, ids=c.block_ids: self._gather_into(out, ids))
+                self._put_host(key, identity, lambda out, ids=c.block_ids: self._pages.gather_into(out, ids))
                 self.counts["host"].writes += 1
             if not (to_disk or to_remote):
                 continue
-            kv = self._gather(c.block_ids)
+            kv = self._pages.gather(c.block_ids)
             if to_disk:
                 self._writer.submit(key, identity, kv)  # one transaction per chunk: chunks are megabytes
             if to_remote:
                 self._remote_writer.submit(remote_key, identity, kv)
                 self._fleet_epoch.remember(remote_key)
         return done
+
+    # -- pins ----------------------------------------------------------------------------------
+
+    def pin(self, tier: str, pin_id: str, copies: Sequence[ChunkCopy], share: float) -> bool:
+        """Pins a chain's chunks in `tier` for `pin_id`, in place of what it pinned before. A chunk the tier
+        lacks is saved there first from the device pages of its copy (a copy without pages must be there
+        already). False when a chunk is neither there nor on the device. Raises TierPinError when the tier is
+        off or the pin would take more than `share` of its capacity."""
+        store = self._pin_store(tier)
+        if store is None:
+            reason = self.host_reason if tier == "host" else self.disk_reason or self._writer and self._writer.failure
+            raise TierPinError(f"there is no {tier} tier to pin to ({reason}); pin to the device, or turn it on")
+        keys = tuple(self.epoch.key(c.span.last_hash) for c in copies)
+        nbytes = sum(c.span.num_pages for c in copies) * self.bytes_per_page
+        old = self.pins.get(pin_id)
+        budget = int(share * store.stats().capacity_bytes)
+        others = sum(p.nbytes for i, p in self.pins.items() if p.tier == tier and i != pin_id)
+        if others + nbytes > budget:
+            raise TierPinError(f"this pin needs {nbytes >> 20} MiB of the {tier} tier and would make "
+                               f"{(others + nbytes) >> 20} MiB pinned there, over its pin budget of "
+                               f"{budget >> 20} MiB; unpin something or raise [qos] pin_share")
+        missing = [(c, key) for c, key in zip(copies, keys) if not store.contains_prefix([key])]
+        if any(not c.block_ids for c, _ in missing):
+            return False
+        for c, key in missing:
+            identity = c.span.identity(self._geometry)
+            if tier == "host":
+                self._put_host(key, identity, lambda out, ids=c.block_ids: self._pages.gather_into(out, ids))
+            else:  # on this thread, not the writer's: the pin must find the value committed
+                frame = encode_frame(identity, _bytes(self._pages.gather(c.block_ids)), codec=self.config.disk_codec)
+                self._writer.call(lambda: self.disk.put_many([(key, frame)]), False)
+        if store.pin(keys) != len(keys):  # a write failed, or another chunk's write evicted one
+            store.unpin(keys)
+            return False
+        self.pins[pin_id] = TierPin(tier, keys, nbytes)
+        if old is not None:  # a session pin following its session: what it no longer holds goes back to the LRU
+            self._release_pin(old)
+        return True
+
+    def unpin(self, pin_id: str) -> TierPin | None:
+        pin = self.pins.pop(pin_id, None)
+        if pin is not None:
+            self._release_pin(pin)
+        return pin
+
+    def pinned_bytes(self, tier: str) -> int:
+        return sum(p.nbytes for p in self.pins.values() if p.tier == tier)
+
+    def _release_pin(self, pin: TierPin) -> None:
+        """Unpins a pin's chunks that no pin in `self.pins` holds (call once it is out of them)."""
+        held = {k for p in self.pins.values() if p.tier == pin.tier for k in p.keys}
+        store = self._pin_store(pin.tier)
+        if store is not None:
+            store.unpin([k for k in pin.keys if k not in held])
+
+    def _pin_store(self, tier: str) -> HostStore | DiskStore | None:
+        if tier == "host":
+            return self.host
+        return self.disk if tier == "disk" and self.has_disk else None
 
     # -- forgetting ----------------------------------------------------------------------------
 
@@ -389,6 +478,10 @@ class TierManager:
         """Makes everything stored so far unreachable (a new epoch, here and in the fleet); the LRU
         reclaims its room."""
         value = self.epoch.renew()
+        for pin_id, pin in list(self.pins.items()):  # their chunks are unreachable now: let the LRU have them
+            if (store := self._pin_store(pin.tier)) is not None:
+                store.unpin(pin.keys)
+            self.pins[pin_id] = TierPin(pin.tier, (), 0)
         if self._writer is not None:
             self._writer.run(lambda: self.epoch.save(value))
         if self._fleet_epoch is not None:
@@ -479,10 +572,6 @@ class TierManager:
         bs = self._geometry.block_size
         return ChunkSpan(namespace, start, tuple(block_hashes[start:end]), tuple(token_ids[start * bs : end * bs]))
 
-    def _shape(self, num_pages: int) -> tuple[int, ...]:
-        g = self._geometry
-        return (g.num_layers, 2, num_pages, g.block_size, g.num_kv_heads, g.head_dim)
-
     def _slot_bytes(self) -> int:
         """A host slot holds the largest frame: a whole chunk with the longest hashes and namespace."""
         g, n = self._geometry, self.chunk_pages
@@ -494,7 +583,7 @@ class TierManager:
         the head goes before it with the payload's checksum."""
         nbytes = identity.payload_nbytes
         head_len = len(frame_head(identity, HOST_CODEC, nbytes, 0))
-        shape = self._shape(identity.num_pages)
+        shape = self._pages.shape(identity.num_pages)
 
         def write(value: torch.Tensor) -> None:
             payload = value[head_len:]
@@ -504,50 +593,10 @@ class TierManager:
 
         self.host.write(key, head_len + nbytes, write, align_at=head_len)
 
-    def _gather(self, block_ids: Sequence[int]) -> torch.Tensor:
-        """The pages' K and V, `[layers, 2, pages, block_size, kv_heads, head_dim]`, copied to CPU memory."""
-        out = torch.empty(self._shape(len(block_ids)), dtype=self._geometry.dtype)
-        self._gather_into(out, block_ids)
-        return out
 
-    def _gather_into(self, out: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Copies the pages' K and V into `out` (CPU, `[layers, 2, pages, ...]`), a run of consecutive pages
-        at a time."""
-        runs = page_runs(block_ids)
-        for layer, (k, v) in enumerate(self._device.kv_caches):
-            for at, first, n in runs:
-                out[layer, 0, at : at + n].copy_(k[first : first + n])
-                out[layer, 1, at : at + n].copy_(v[first : first + n])
-
-    def _scatter(self, kv: torch.Tensor, skip: int, block_ids: Sequence[int], payload: memoryview | None = None) -> int:
-        """Writes pages `skip`.. of `kv` (`[layers, 2, pages, ...]`) into the device pages `block_ids`, a run
-        of consecutive pages at a time. With `payload` (kv's bytes), hashes each layer's bytes right after
-        the copy read them, while they are in cache, and returns the payload's xxh3_64."""
-        dev = self._device
-        runs = page_runs(block_ids)
-        hasher = xxhash.xxh3_64()
-        per_layer = len(payload) // len(dev.kv_caches) if payload is not None else 0
-        for layer, (k, v) in enumerate(dev.kv_caches):
-            for at, first, n in runs:
-                k[first : first + n].copy_(kv[layer, 0, skip + at : skip + at + n], non_blocking=True)
-                v[first : first + n].copy_(kv[layer, 1, skip + at : skip + at + n], non_blocking=True)
-            if payload is not None:
-                hasher.update(payload[layer * per_layer : (layer + 1) * per_layer])
-        if dev.device.type == "cuda":
-            torch.cuda.current_stream(dev.device).synchronize()  # the source may be rewritten once we return
-        return hasher.intdigest()
-
-
-def page_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
-    """(position in `block_ids`, first page id, length) of each run of consecutive page ids: one copy each."""
-    runs: list[tuple[int, int, int]] = []
-    for i, b in enumerate(block_ids):
-        if runs and runs[-1][1] + runs[-1][2] == b:
-            at, first, n = runs[-1]
-            runs[-1] = (at, first, n + 1)
-        else:
-            runs.append((i, b, 1))
-    return runs
+def _bytes(kv: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(kv.reshape(-1).view(torch.uint8).numpy())
 
 
 def _copy_bytes(out: torch.Tensor, payload: memoryview) -> None:

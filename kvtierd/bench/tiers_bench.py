@@ -1,0 +1,523 @@
+"""`kvtierd bench tiers`: the host and disk tiers against recomputing, in one process.
+
+- Restore: a `restore_tokens` prompt's KV, computed by the model, is stored in
+  the host tier only, or in the disk tier only (a tier manager with the host
+  off), and brought back the way a request brings it: `find_prefix` +
+  `adopt_prefix` on a cache manager with an empty device index over the same
+  device pool (lookup, then a load into fresh pages). Every restore is
+  compared byte for byte with the computed KV. Beside it, the prefill of the
+  same prompt (engine TTFT; each repetition in a tenant of its own, so nothing
+  is reused). The disk runs twice: warm (data.mdb in the OS page cache, as
+  written) and cold (its pages dropped before each restore).
+- Disk bandwidth: chunks of real KV written through the disk tier's writer
+  (`ChunkWriter`: encode, one fsynced LMDB transaction per chunk) and read
+  back as a load reads them (`DiskStore.get_many` of one chunk, frame checks,
+  decode), beside a plain file of the same bytes in the same directory,
+  written sequentially with one fsync and read back cold.
+- Codecs: ratio and speed of every codec on chunks of real KV.
+- Working set: sessions whose KV is several times the device pool, one short
+  turn each in round robin; TTFT and where the prompt tokens came from, with
+  the host and disk tiers and device-only, on the same prompts (the replies
+  come from the tiered run). The rounds after the first are measured. The
+  default budgets keep the daemon's ratio (host tier 2 GiB for a 1 GiB device
+  pool). Round robin over more sessions than the device and host hold is
+  LRU's worst case: a session's chunks leave the host before its next turn,
+  and its KV comes back from disk.
+
+Cold reads: POSIX_FADV_DONTNEED leaves alone the pages a process has mapped,
+and LMDB maps data.mdb, so a cold read closes the store, drops the file's
+pages and opens it again (outside the timing), as after a restart.
+Times are wall time, with torch on one thread unless `--threads` says otherwise; quote medians and ratios.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kvtierd.bench.report import median_time
+from kvtierd.bench.reuse_bench import document, follow_up, questions, run_request, warm_up
+from kvtierd.cache.block_hash import namespace_root
+from kvtierd.cache.kv_cache_manager import KVCacheManager
+from kvtierd.engine.config import EngineConfig
+from kvtierd.engine.llm_engine import LLMEngine
+from kvtierd.model.loader import LoadedModel
+from kvtierd.storage.codecs import CODEC_NAMES, get_codec
+from kvtierd.storage.device_pool import DeviceKVPool
+from kvtierd.storage.disk_store import DiskStore
+from kvtierd.storage.geometry import KVGeometry
+from kvtierd.storage.kv_frame import ChunkIdentity, decode_frame
+from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, spans_of
+from kvtierd.tiers.chunk_writer import ChunkWriter
+from kvtierd.tiers.config import TierConfig
+from kvtierd.tiers.tier_manager import TierManager
+
+RESTORE_TARGET_MS = {"host": 30.0, "disk": 150.0}  # a 2,000-token session on CPU
+TARGET_SPEEDUP = 50.0  # a restore at least this many times faster than recomputing
+TARGET_SHARE_OF_RAW = 0.5  # the disk tier's bandwidth at least this share of the raw disk's
+GB = 1e9
+MIN_MAP_BYTES = 1 << 30  # LMDB maps grow sparsely: room is free until used
+SLOT_SLACK = 1 << 16  # a host slot's frame header and token ids, beyond the KV
+TURN_TOKENS = 32  # the most a follow-up question adds to a prompt, with the chat template's turn markers
+BLOCK_SIZE = EngineConfig().block_size  # every engine and device pool here uses the default page size
+
+
+@dataclass(frozen=True, slots=True)
+class TiersWorkload:
+    restore_tokens: int = 2000  # the session restored
+    restore_repeats: int = 5
+    recompute_repeats: int = 3  # a prefill of restore_tokens takes seconds on CPU
+    chunk_pages: int = 16  # pages per stored chunk (the tiers' default)
+    bandwidth_chunks: int = 32  # chunks written to disk and read back, per codec
+    codec_repeats: int = 3
+    sessions: int = 16
+    history_tokens: int = 384  # each session's first prompt: a document and a question
+    rounds: int = 3  # turns per session; the first builds the histories (and warms up) and is not measured
+    reply_tokens: int = 8
+    device_share: float = 0.25  # of the sessions' first prompts' KV, what the device pool holds (at least a session)
+    host_share: float = 0.5  # ... and the host tier (the disk tier holds all)
+
+    def __post_init__(self) -> None:
+        counts = (self.restore_repeats, self.recompute_repeats, self.chunk_pages, self.bandwidth_chunks,
+                  self.codec_repeats, self.sessions, self.history_tokens, self.reply_tokens)
+        if min(counts) < 1 or self.rounds < 2:
+            raise ValueError("counts must be at least 1, and rounds at least 2 (the first is not measured)")
+        if self.restore_tokens <= self.chunk_pages * BLOCK_SIZE:
+            raise ValueError(f"restore_tokens must cover a whole chunk ({self.chunk_pages} pages of {BLOCK_SIZE} "
+                             "tokens) and one token more")
+        if not 0 < self.device_share <= 1 or self.host_share <= 0:
+            raise ValueError("device_share must be in (0, 1] and host_share positive")
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreRow:
+    source: str  # "host", "disk warm" (page cache) or "disk cold" (pages dropped)
+    ms: float  # median find_prefix + adopt_prefix
+    speedup: float  # recompute / restore
+    target_ms: float
+    target_met: bool  # at most target_ms and at least TARGET_SPEEDUP times faster than recompute
+    restored_tokens: int  # the fewest over the repetitions
+    by_tier: dict[str, int]  # tokens loaded per tier, in the last repetition
+    kv_equal: bool  # every repetition restored exactly the computed KV
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreFigures:
+    prompt_tokens: int
+    expected_tokens: int  # its full pages but the one holding the last token (left to compute)
+    kv_bytes: int
+    chunks: int
+    repeats: int
+    recompute_ms: float  # median prefill of the whole prompt (engine TTFT)
+    target_speedup: float
+    rows: list[RestoreRow]
+
+
+@dataclass(frozen=True, slots=True)
+class DiskBandwidthRow:
+    codec: str
+    stored_bytes: int  # the frames in LMDB
+    write_GB_s: float  # GB of KV payload per second, committed
+    read_cold_GB_s: float
+    read_warm_GB_s: float
+    write_share_of_raw: float
+    read_share_of_raw: float  # cold against cold
+    payload_equal: bool  # every chunk read back decoded to the KV written
+
+
+@dataclass(frozen=True, slots=True)
+class DiskBandwidthFigures:
+    directory: str
+    chunks: int
+    payload_bytes: int
+    raw_write_GB_s: float  # a plain file, sequential, one fsync
+    raw_read_cold_GB_s: float
+    target_share: float
+    rows: list[DiskBandwidthRow]
+
+
+@dataclass(frozen=True, slots=True)
+class CodecRow:
+    codec: str
+    ratio: float  # payload / encoded
+    compress_GB_s: float  # of payload, median
+    decompress_GB_s: float
+    exact: bool  # decode(encode(x)) == x on every chunk
+
+
+@dataclass(frozen=True, slots=True)
+class CodecFigures:
+    dtype: str
+    chunks: int
+    payload_bytes: int
+    rows: list[CodecRow]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkingSetRun:
+    run: str  # "tiers" or "device only"
+    requests: int  # measured: the rounds after the first
+    prompt_tokens: int
+    ttft_p50_ms: float
+    ttft_p95_ms: float
+    share_by_tier: dict[str, float]  # of the prompt tokens: device, host, disk, computed
+
+
+@dataclass(frozen=True, slots=True)
+class WorkingSetFigures:
+    sessions: int
+    rounds: int
+    working_set_tokens: int  # the sessions' first prompts
+    device_pages: int
+    host_slots: int  # chunks the host tier holds (a partial chunk takes a slot too)
+    block_size: int
+    chunk_pages: int
+    runs: list[WorkingSetRun]
+    ttft_p50_speedup: float  # device only / tiers
+
+
+@dataclass(frozen=True, slots=True)
+class TiersFigures:
+    workload: TiersWorkload
+    restore: RestoreFigures
+    disk_bandwidth: DiskBandwidthFigures
+    codecs: CodecFigures
+    working_set: WorkingSetFigures
+
+
+@dataclass(frozen=True, slots=True)
+class ComputedPrompt:
+    """A prompt prefilled by the model, and the KV of its restorable pages."""
+
+    root: bytes  # the namespace its pages were hashed in
+    token_ids: list[int]
+    block_hashes: list[bytes]  # of its full pages but the one holding the last token
+    kv: torch.Tensor  # [layers, 2, pages, block_size, kv_heads, head_dim], CPU
+    geometry: KVGeometry
+    recompute_s: float  # median prefill
+
+    def spans(self, chunk_pages: int) -> list[ChunkSpan]:
+        return spans_of(self.root, self.block_hashes, self.token_ids, self.geometry.block_size, chunk_pages)
+
+    def whole_chunks(self, chunk_pages: int) -> list[tuple[ChunkSpan, torch.Tensor]]:
+        """Each whole chunk's span and KV (contiguous, in the tier's layout)."""
+        return [(s, self.kv[:, :, s.first_page : s.first_page + s.num_pages].contiguous())
+                for s in self.spans(chunk_pages) if s.num_pages == chunk_pages]
+
+
+def run_tiers_bench(loaded: LoadedModel, w: TiersWorkload, directory: Path | None = None) -> TiersFigures:
+    """Every part, with LMDB stores and files in a temporary directory under `directory` (default: the
+    system's temp dir): put it on the disk to measure."""
+    computed = compute_prompt(loaded, w.restore_tokens, w.recompute_repeats)
+    with tempfile.TemporaryDirectory(prefix="kvtierd-bench-tiers-", dir=directory) as tmp:
+        root = Path(tmp)
+        return TiersFigures(
+            workload=w,
+            restore=run_restore(loaded, computed, w, root / "restore"),
+            disk_bandwidth=run_disk_bandwidth(computed, w, root / "bandwidth"),
+            codecs=run_codecs(computed, w),
+            working_set=run_working_set(loaded, w, root / "working-set"),
+        )
+
+
+# -- the prompt and its KV ---------------------------------------------------------------------
+
+
+def compute_prompt(loaded: LoadedModel, num_tokens: int, repeats: int) -> ComputedPrompt:
+    """Prefills a `num_tokens` prompt `repeats` times (timed), and copies out its KV."""
+    tok = loaded.tokenizer
+    prompt = tok.encode(document(tok, num_tokens + 64, seed=3))[:num_tokens]
+    engine = LLMEngine(loaded)
+    warm_up(engine)
+    tenants = [f"recompute-{i}" for i in range(repeats)]  # each its own namespace: nothing cached by the one before
+    times = [run_request(engine, prompt, 1, tenant=t).ttft_s for t in tenants]
+    root = namespace_root(loaded.fingerprint, tenants[-1], engine.config.hash_algorithm)
+    hit = engine.kv.find_prefix(root, prompt)  # the last repetition's pages, still cached
+    assert hit.num_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE, "the prefilled prompt's pages are gone"
+    return ComputedPrompt(root, prompt, list(hit.block_hashes), _gather(engine.pool, hit.block_ids), engine.geometry,
+                          statistics.median(times))
+
+
+# -- restore -----------------------------------------------------------------------------------
+
+
+def run_restore(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, directory: Path) -> RestoreFigures:
+    num_pages = c.kv.shape[2]
+    pool = DeviceKVPool(c.geometry, num_pages, loaded.model.device)
+    spans = c.spans(w.chunk_pages)
+    copies = [ChunkCopy(s, tuple(range(s.first_page, s.first_page + s.num_pages))) for s in spans]
+    chunk_bytes = w.chunk_pages * c.geometry.bytes_per_block
+    rows = []
+
+    host = TierConfig(host_bytes=len(spans) * (chunk_bytes + SLOT_SLACK), disk_bytes=0, chunk_pages=w.chunk_pages)
+    tiers = TierManager(host, pool, loaded.fingerprint)
+    _fill(pool, c.kv)
+    tiers.demote(copies)  # as if evicted from the device: to the host (disk would take only reused chunks)
+    rows.append(_restore_row("host", [_restore(pool, tiers, c) for _ in range(w.restore_repeats)], c))
+    tiers.close()
+
+    directory.mkdir()
+    disk = TierConfig(host_bytes=0, disk_bytes=max(MIN_MAP_BYTES, 4 * c.kv.nbytes), disk_path=directory,
+                      chunk_pages=w.chunk_pages)
+    tiers = TierManager(disk, pool, loaded.fingerprint)
+    _fill(pool, c.kv)
+    tiers.write_through(copies)  # as a session's finished turn: to disk only
+    tiers.wait()
+    rows.append(_restore_row("disk warm", [_restore(pool, tiers, c) for _ in range(w.restore_repeats)], c))
+    cold = []
+    for _ in range(w.restore_repeats):
+        tiers.close()
+        _drop_page_cache(directory / "data.mdb")
+        tiers = TierManager(disk, pool, loaded.fingerprint)  # the same epoch file: the same keys
+        cold.append(_restore(pool, tiers, c))
+    tiers.close()
+    rows.append(_restore_row("disk cold", cold, c))
+    return RestoreFigures(len(c.token_ids), num_pages * c.geometry.block_size, c.kv.nbytes, len(spans),
+                          w.restore_repeats, c.recompute_s * 1e3, TARGET_SPEEDUP, rows)
+
+
+@dataclass(frozen=True, slots=True)
+class _Restored:
+    seconds: float
+    tokens: int
+    by_tier: dict[str, int]
+    kv_equal: bool
+
+
+def _restore(pool: DeviceKVPool, tiers: TierManager, c: ComputedPrompt) -> _Restored:
+    """One restore into an empty device: the lookup and load a request's admission runs, timed."""
+    kv = KVCacheManager(pool.num_blocks, pool.geometry.block_size, tiers=tiers)  # nothing indexed on the device
+    _zero(pool)  # a page the restore did not load cannot pass for one it did
+    t0 = time.perf_counter()
+    hit = kv.adopt_prefix("restore", kv.find_prefix(c.root, c.token_ids))
+    seconds = time.perf_counter() - t0
+    equal = len(hit.block_ids) == c.kv.shape[2] and torch.equal(_gather(pool, hit.block_ids), c.kv)
+    return _Restored(seconds, hit.num_tokens, dict(hit.tokens_by_tier), equal)
+
+
+def _restore_row(source: str, runs: list[_Restored], c: ComputedPrompt) -> RestoreRow:
+    seconds = statistics.median(r.seconds for r in runs)
+    speedup = c.recompute_s / seconds
+    target_ms = RESTORE_TARGET_MS[source.split()[0]]
+    return RestoreRow(source, seconds * 1e3, speedup, target_ms,
+                      seconds * 1e3 <= target_ms and speedup >= TARGET_SPEEDUP, min(r.tokens for r in runs),
+                      runs[-1].by_tier, all(r.kv_equal for r in runs))
+
+
+# -- disk bandwidth ------------------------------------------------------------------------------
+
+
+def run_disk_bandwidth(c: ComputedPrompt, w: TiersWorkload, directory: Path) -> DiskBandwidthFigures:
+    chunks = c.whole_chunks(w.chunk_pages)
+    items = []  # (key, identity, kv): distinct chunks (their own hashes), the KV cycling through the real chunks
+    for i in range(w.bandwidth_chunks):
+        span, kv = chunks[i % len(chunks)]
+        hashes = tuple(hashlib.md5(f"{i}:{p}".encode()).digest() for p in range(span.num_pages))
+        items.append((hashes[-1], ChunkIdentity(c.geometry, span.namespace, hashes, span.token_ids), kv))
+    payload = sum(kv.nbytes for _, _, kv in items)
+    directory.mkdir()
+    raw_write_s, raw_read_s = _raw_file(directory / "raw.bin", [kv for _, _, kv in items])
+    rows = []
+    for codec in dict.fromkeys((TierConfig().disk_codec, "raw")):  # the tier's codec, and none
+        path = directory / codec
+        path.mkdir()
+        write_s, cold_s, warm_s, stored, equal = _disk_tier(path, codec, items, max(MIN_MAP_BYTES, 4 * payload))
+        rows.append(DiskBandwidthRow(codec, stored, payload / write_s / GB, payload / cold_s / GB,
+                                     payload / warm_s / GB, raw_write_s / write_s, raw_read_s / cold_s, equal))
+    return DiskBandwidthFigures(str(directory), len(items), payload, payload / raw_write_s / GB,
+                                payload / raw_read_s / GB, TARGET_SHARE_OF_RAW, rows)
+
+
+def _disk_tier(path: Path, codec: str, items: list[tuple[bytes, ChunkIdentity, torch.Tensor]],
+               map_size: int) -> tuple[float, float, float, int, bool]:
+    """Write, cold read and warm read seconds through a disk store at `path`, the bytes stored, and
+    whether every chunk came back as written."""
+    store = DiskStore(path, map_size=map_size)
+    payload = sum(kv.nbytes for _, _, kv in items)
+    writer = ChunkWriter("disk", store, codec, max_pending_bytes=payload)  # all queued: the writer's pace is timed
+    t0 = time.perf_counter()
+    for key, identity, kv in items:
+        writer.submit(key, identity, kv)
+    writer.wait()
+    write_s = time.perf_counter() - t0
+    writer.close()
+    if writer.num_written != len(items):
+        raise RuntimeError(f"the disk writer stored {writer.num_written} of {len(items)} chunks")
+    store.close()
+    _drop_page_cache(path / "data.mdb")
+    store = DiskStore(path, map_size=map_size)
+    cold_s, stored, cold_equal = _read_back(store, items)
+    warm_s, _, warm_equal = _read_back(store, items)
+    store.close()
+    return write_s, cold_s, warm_s, stored, cold_equal and warm_equal
+
+
+def _read_back(store: DiskStore, items: list[tuple[bytes, ChunkIdentity, torch.Tensor]]) -> tuple[float, int, bool]:
+    """Reads each chunk as a load does (one get, frame checks, decode); seconds, bytes stored, all equal."""
+    seconds, stored, equal = 0.0, 0, True
+    for key, identity, kv in items:
+        t0 = time.perf_counter()
+        value = store.get_many([key])[0]
+        payload = decode_frame(value, identity).payload if value is not None else None
+        seconds += time.perf_counter() - t0
+        stored += len(value or b"")
+        equal = equal and payload == _bytes(kv)
+    return seconds, stored, equal
+
+
+def _raw_file(path: Path, kvs: list[torch.Tensor]) -> tuple[float, float]:
+    """Seconds to write the bytes sequentially to a plain file (one fsync), and to read it back cold."""
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        f.writelines(_bytes(kv) for kv in kvs)
+        f.flush()
+        os.fsync(f.fileno())
+    write_s = time.perf_counter() - t0
+    _drop_page_cache(path)
+    buf = bytearray(max(kv.nbytes for kv in kvs))
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.readinto(buf):
+            pass
+    read_s = time.perf_counter() - t0
+    path.unlink()
+    return write_s, read_s
+
+
+# -- codecs ------------------------------------------------------------------------------------
+
+
+def run_codecs(c: ComputedPrompt, w: TiersWorkload) -> CodecFigures:
+    chunks = [_bytes(kv) for _, kv in c.whole_chunks(w.chunk_pages)]
+    itemsize = c.geometry.dtype.itemsize
+    payload = sum(b.nbytes for b in chunks)
+    rows = [_codec_row(name, chunks, itemsize, w.codec_repeats) for name in CODEC_NAMES]
+    return CodecFigures(str(c.geometry.dtype).removeprefix("torch."), len(chunks), payload, rows)
+
+
+def _codec_row(name: str, chunks: list[memoryview], itemsize: int, repeats: int) -> CodecRow:
+    codec = get_codec(name)  # the shared one the tiers use, at their level
+    payload = sum(b.nbytes for b in chunks)
+    # Decoders get views, as decode_frame hands them the payload inside a frame (raw then copies, as a load does).
+    encoded = [memoryview(codec.encode(b, itemsize)) for b in chunks]  # also makes this thread's zstd contexts
+    exact = all(codec.decode(e, itemsize, b.nbytes) == b for e, b in zip(encoded, chunks, strict=True))
+    encode_s = median_time(lambda: [codec.encode(b, itemsize) for b in chunks], repeats)
+    decode_s = median_time(lambda: [codec.decode(e, itemsize, b.nbytes) for e, b in zip(encoded, chunks, strict=True)],
+                           repeats)
+    return CodecRow(name, payload / sum(e.nbytes for e in encoded), payload / encode_s / GB, payload / decode_s / GB,
+                    exact)
+
+
+# -- working set ---------------------------------------------------------------------------------
+
+
+def run_working_set(loaded: LoadedModel, w: TiersWorkload, directory: Path) -> WorkingSetFigures:
+    tok = loaded.tokenizer
+    conversations = [[{"role": "user", "content": f"{document(tok, w.history_tokens, seed=100 + s)}\n\n{q}"}]
+                     for s, q in enumerate(questions(w.sessions))]
+    first_prompts = [len(tok.encode_chat(m)) for m in conversations]
+    working_set = sum(first_prompts)
+    mc = loaded.config
+    geometry = KVGeometry(mc.num_layers, mc.num_kv_heads, mc.head_dim, BLOCK_SIZE, loaded.model.dtype)
+    token_bytes = geometry.bytes_per_token
+    longest_turn = max(first_prompts) + w.rounds * (w.reply_tokens + TURN_TOKENS)  # a request must fit the pool
+    device_bytes = max(math.ceil(working_set * w.device_share), longest_turn) * token_bytes
+    directory.mkdir()
+    tiers = TierConfig(host_bytes=math.ceil(working_set * w.host_share) * token_bytes,
+                       disk_bytes=max(MIN_MAP_BYTES, 4 * working_set * token_bytes), disk_path=directory,
+                       chunk_pages=w.chunk_pages)
+    engines = {"tiers": LLMEngine(loaded, EngineConfig(kv_cache_bytes=device_bytes, tiers=tiers)),
+               "device only": LLMEngine(loaded, EngineConfig(kv_cache_bytes=device_bytes))}
+    ttfts: dict[str, list[float]] = {name: [] for name in engines}
+    tokens: dict[str, dict[str, int]] = {name: dict.fromkeys(("prompt", "device", "host", "disk"), 0)
+                                         for name in engines}
+    for r in range(w.rounds):
+        for s, messages in enumerate(conversations):
+            prompt = tok.encode_chat(messages)
+            replies = []
+            for name, engine in engines.items():
+                before = _served(engine)
+                out = run_request(engine, prompt, w.reply_tokens, session_id=f"session-{s}")
+                if engine.tiers is not None:
+                    engine.tiers.wait()  # the turn's disk writes land before the next request, as between turns
+                replies.append(out.text)
+                if r == 0:
+                    continue  # the first round builds the histories and warms both engines up
+                ttfts[name].append(out.ttft_s)
+                tokens[name]["prompt"] += len(prompt)
+                for tier, n in _served(engine).items():
+                    tokens[name][tier] += n - before[tier]
+            messages += [{"role": "assistant", "content": replies[0]}, {"role": "user", "content": follow_up(r)}]
+    tiered = engines["tiers"]
+    host_slots = tiered.tiers.host.num_slots if tiered.tiers.host is not None else 0
+    tiered.close()
+    runs = {name: _working_set_run(name, ttfts[name], tokens[name]) for name in engines}
+    return WorkingSetFigures(w.sessions, w.rounds, working_set, tiered.kv.pool.num_blocks, host_slots, BLOCK_SIZE,
+                             w.chunk_pages, list(runs.values()),
+                             runs["device only"].ttft_p50_ms / runs["tiers"].ttft_p50_ms)
+
+
+def _served(engine: LLMEngine) -> dict[str, int]:
+    """Prompt tokens the engine has served from each tier so far (counted at each request's first token)."""
+    c = engine.counters
+    return {"device": c.cached_tokens - c.host_tokens - c.disk_tokens - c.remote_tokens, "host": c.host_tokens,
+            "disk": c.disk_tokens}
+
+
+def _working_set_run(name: str, ttfts: list[float], tokens: dict[str, int]) -> WorkingSetRun:
+    prompt = tokens["prompt"]
+    cached = tokens["device"] + tokens["host"] + tokens["disk"]
+    shares = {tier: tokens[tier] / prompt for tier in ("device", "host", "disk")}
+    shares["computed"] = (prompt - cached) / prompt
+    return WorkingSetRun(name, len(ttfts), prompt, statistics.median(ttfts) * 1e3, _p95(ttfts) * 1e3, shares)
+
+
+def _p95(values: list[float]) -> float:
+    """The nearest-rank 95th percentile."""
+    ordered = sorted(values)
+    return ordered[math.ceil(0.95 * len(ordered)) - 1]
+
+
+# -- helpers -------------------------------------------------------------------------------------
+
+
+def _gather(pool: DeviceKVPool, block_ids: list[int]) -> torch.Tensor:
+    """The pages' K and V, `[layers, 2, pages, block_size, kv_heads, head_dim]`, on CPU."""
+    idx = torch.tensor(block_ids, dtype=torch.int64, device=pool.device)
+    return torch.stack([torch.stack((k[idx], v[idx])) for k, v in pool.kv_caches]).cpu()
+
+
+def _fill(pool: DeviceKVPool, kv: torch.Tensor) -> None:
+    """Writes `[layers, 2, pages, ...]` into the first pages of the pool."""
+    n = kv.shape[2]
+    for layer, (k, v) in enumerate(pool.kv_caches):
+        k[:n].copy_(kv[layer, 0])
+        v[:n].copy_(kv[layer, 1])
+
+
+def _zero(pool: DeviceKVPool) -> None:
+    for k, v in pool.kv_caches:
+        k.zero_()
+        v.zero_()
+
+
+def _bytes(kv: torch.Tensor) -> memoryview:
+    """The raw bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(kv.reshape(-1).view(torch.uint8).numpy())
+
+
+def _drop_page_cache(path: Path) -> None:
+    """Evicts a file's cached pages (clean ones, not mapped by any process) from the OS page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -1,0 +1,72 @@
+"""Copies between device pages and a chunk's KV laid out for the lower tiers.
+
+    chunk KV  [layers, 2 (K, V), pages, block_size, kv_heads, head_dim]
+    device    per layer K and V  [num_blocks, block_size, kv_heads, head_dim]
+
+A chunk's pages are wherever the pool put them. Each run of consecutive page
+ids is one slice copy per layer and K/V (compaction makes runs long); a
+scattered page list costs one small copy per page.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import xxhash
+
+from kvtierd.storage.device_pool import DeviceKVPool
+
+
+class PageCopier:
+    def __init__(self, device: DeviceKVPool) -> None:
+        self._device = device
+        self._geometry = device.geometry
+
+    def shape(self, num_pages: int) -> tuple[int, ...]:
+        g = self._geometry
+        return (g.num_layers, 2, num_pages, g.block_size, g.num_kv_heads, g.head_dim)
+
+    def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
+        """The pages' K and V in chunk layout, copied to CPU memory."""
+        out = torch.empty(self.shape(len(block_ids)), dtype=self._geometry.dtype)
+        self.gather_into(out, block_ids)
+        return out
+
+    def gather_into(self, out: torch.Tensor, block_ids: Sequence[int]) -> None:
+        """Copies the pages' K and V into `out` (CPU, chunk layout)."""
+        runs = page_runs(block_ids)
+        for layer, (k, v) in enumerate(self._device.kv_caches):
+            for at, first, n in runs:
+                out[layer, 0, at : at + n].copy_(k[first : first + n])
+                out[layer, 1, at : at + n].copy_(v[first : first + n])
+
+    def scatter(self, kv: torch.Tensor, skip: int, block_ids: Sequence[int], payload: memoryview | None = None) -> int:
+        """Writes pages `skip`.. of `kv` (chunk layout) into the device pages `block_ids`. With `payload` (kv's
+        bytes), hashes each layer's bytes right after the copy read them, while they are in cache, and
+        returns the payload's xxh3_64."""
+        dev = self._device
+        runs = page_runs(block_ids)
+        hasher = xxhash.xxh3_64()
+        per_layer = len(payload) // len(dev.kv_caches) if payload is not None else 0
+        for layer, (k, v) in enumerate(dev.kv_caches):
+            for at, first, n in runs:
+                k[first : first + n].copy_(kv[layer, 0, skip + at : skip + at + n], non_blocking=True)
+                v[first : first + n].copy_(kv[layer, 1, skip + at : skip + at + n], non_blocking=True)
+            if payload is not None:
+                hasher.update(payload[layer * per_layer : (layer + 1) * per_layer])
+        if dev.device.type == "cuda":
+            torch.cuda.current_stream(dev.device).synchronize()  # the source may be rewritten once we return
+        return hasher.intdigest()
+
+
+def page_runs(block_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(position in `block_ids`, first page id, length) of each run of consecutive page ids."""
+    runs: list[tuple[int, int, int]] = []
+    for i, b in enumerate(block_ids):
+        if runs and runs[-1][1] + runs[-1][2] == b:
+            at, first, n = runs[-1]
+            runs[-1] = (at, first, n + 1)
+        else:
+            runs.append((i, b, 1))
+    return runs

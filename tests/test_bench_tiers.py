@@ -1,0 +1,72 @@
+"""`kvtierd bench tiers` at tiny sizes: every part runs on the bundled model and real LMDB files, restores
+bring back exactly the computed KV, and the tiers serve prompt tokens the device-only run recomputes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvtierd.bench.tiers_bench import TiersFigures, TiersWorkload, run_tiers_bench
+from kvtierd.storage.codecs import CODEC_NAMES
+
+# Chunks of 4 pages: a 150-token prompt is 9 restorable pages, two whole chunks and a partial one.
+# Two sessions of about 100 tokens on a device for one turn (the least it gets): each evicts the other's KV.
+TINY = TiersWorkload(restore_tokens=150, restore_repeats=2, recompute_repeats=1, chunk_pages=4, bandwidth_chunks=3,
+                     codec_repeats=1, sessions=2, history_tokens=32, rounds=2, reply_tokens=1, device_share=0.5,
+                     host_share=0.5)
+
+
+@pytest.fixture(scope="module")
+def figures(loaded, tmp_path_factory) -> TiersFigures:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the command runs: on a busy 2-core machine, 2 threads make each step wait
+    try:
+        return run_tiers_bench(loaded, TINY, tmp_path_factory.mktemp("bench-tiers"))
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_restores_bring_back_the_computed_kv_from_each_tier(figures):
+    r = figures.restore
+    assert r.prompt_tokens == 150 and r.expected_tokens == 144 and r.chunks == 3 and r.recompute_ms > 0
+    assert [row.source for row in r.rows] == ["host", "disk warm", "disk cold"]
+    for row in r.rows:
+        assert row.kv_equal and row.restored_tokens == 144 and row.ms > 0
+        assert row.by_tier == {row.source.split()[0]: 144}
+        assert row.speedup == pytest.approx(r.recompute_ms / row.ms)
+        assert isinstance(row.target_met, bool)
+
+
+def test_disk_bandwidth_beside_the_raw_disk(figures):
+    b = figures.disk_bandwidth
+    assert b.chunks == 3 and b.raw_write_GB_s > 0 and b.raw_read_cold_GB_s > 0
+    planes, raw = b.rows
+    assert (planes.codec, raw.codec) == ("zstd-planes", "raw")
+    assert raw.stored_bytes > b.payload_bytes > planes.stored_bytes  # raw frames add a head; real KV compresses
+    for row in b.rows:
+        assert row.payload_equal
+        assert min(row.write_GB_s, row.read_cold_GB_s, row.read_warm_GB_s) > 0
+        assert row.write_share_of_raw == pytest.approx(row.write_GB_s / b.raw_write_GB_s)
+
+
+def test_every_codec_round_trips_real_kv(figures):
+    c = figures.codecs
+    assert c.dtype == "float32" and c.chunks == 2
+    assert [row.codec for row in c.rows] == list(CODEC_NAMES)
+    by_name = {row.codec: row for row in c.rows}
+    assert by_name["raw"].ratio == 1.0 and by_name["zstd-planes"].ratio > 1.0
+    assert all(row.exact and row.compress_GB_s > 0 and row.decompress_GB_s > 0 for row in c.rows)
+
+
+def test_the_tiers_serve_what_the_device_only_run_recomputes(figures):
+    ws = figures.working_set
+    tiers, device_only = ws.runs
+    assert (tiers.run, device_only.run) == ("tiers", "device only")
+    for run in ws.runs:
+        assert run.requests == 2 and run.prompt_tokens > 2 * 32
+        assert 0 < run.ttft_p50_ms <= run.ttft_p95_ms
+        assert sum(run.share_by_tier.values()) == pytest.approx(1.0)
+    assert device_only.share_by_tier["host"] == device_only.share_by_tier["disk"] == 0
+    assert tiers.share_by_tier["host"] + tiers.share_by_tier["disk"] > 0
+    assert tiers.share_by_tier["computed"] < device_only.share_by_tier["computed"]
+    assert ws.host_slots >= 1 and ws.ttft_p50_speedup > 0
