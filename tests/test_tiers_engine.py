@@ -164,3 +164,23 @@ def test_a_session_pinned_to_the_disk_tier_pins_each_new_turn(loaded, make_engin
     assert engine.tiers.disk.contains_prefix(list(followed.keys)) == len(followed.keys)
     assert engine.unpin("pin-s") is not None and "pin-s" not in engine.tiers.pins
     engine.close()
+
+
+def test_idle_work_saves_the_chunks_next_in_line_so_their_eviction_copies_nothing(loaded, make_engine, cold):
+    tok = loaded.tokenizer
+    prompt = ask(tok, TOPICS[0])
+    twin, engine = tiered(make_engine), tiered(make_engine)
+    for e in (twin, engine):
+        run_one(e, prompt)
+    engine.on_idle()  # the free-page watermark: the idle pages' chunks go to the host tier now
+    hashes = hash_full_blocks(engine._root(""), prompt, 16, algorithm=engine.kv.hash_algorithm)
+    found = engine.tiers.lookup(engine._root(""), hashes, prompt, 0)
+    assert len(found) >= 2 and {f.tier for f in found} == {"host"}  # while its pages are still on the device
+    saved = engine.tier_stats()[0].writes
+    for e in (twin, engine):
+        push_out(e, tok, prompt)
+    # The same chunks went to the host tier in both: the watermark's earlier, and never twice.
+    assert engine.tier_stats()[0].writes == twin.tier_stats()[0].writes >= saved
+    warm = run_one(engine, prompt)
+    assert warm[0].cached_tokens_by_tier["host"] >= 64
+    assert_same_output(warm, cold(prompt))

@@ -483,6 +483,27 @@ class BlockPool:
             n += self._unindex_tree(b)
         return n
 
+    def chunks_next_in_line(self, max_pages: int) -> list[EvictedChunk]:
+        """The chunks that capacity evictions would log next, up to `max_pages` pages: those ending at idle
+        chain tails, least recently used first (the order of `lru`; the other policies' order differs)."""
+        chunks: list[EvictedChunk] = []
+        pages = 0
+        if not self.chunk_pages:
+            return chunks
+        for tail in list(self._idle_cached):
+            if pages >= max_pages:
+                break
+            b: int | None = tail if self.is_leaf(tail) else None
+            while b is not None and pages < max_pages and (chunk := self._chunk_ending_at(b)) is not None:
+                chunks.append(chunk)
+                pages += len(chunk.block_ids)
+                # Then the chunk before it, once this one is gone: an idle page with no other child.
+                parent = self._cached[chunk.block_ids[0]].parent_hash
+                b = self._by_hash.get(parent) if parent is not None else None
+                if b is None or b not in self._idle_cached or len(self._children.get(parent, ())) > 1:
+                    b = None
+        return chunks
+
     def _chunk_ending_at(self, block_id: int) -> EvictedChunk | None:
         """The chunk whose last page is `block_id`; None if it spans two namespaces (a public prefix and a
         tenant's pages after it: not stored below in this version)."""

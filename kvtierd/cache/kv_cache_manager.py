@@ -320,6 +320,15 @@ class KVCacheManager:
             self.tiers.demote([ChunkCopy(ChunkSpan(c.root, c.first_depth, c.block_hashes, c.token_ids), c.block_ids,
                                          c.hits) for c in evicted])
 
+    def save_ahead(self, max_pages: int) -> int:
+        """Saves to the host tier the chunks of the idle pages next in line for eviction (up to `max_pages`
+        pages), so that evicting them later copies nothing; returns the chunks saved. Call when idle."""
+        if self.tiers is None or self.tiers.host is None:
+            return 0
+        chunks = self.pool.chunks_next_in_line(max_pages)
+        return self.tiers.save_ahead([ChunkCopy(ChunkSpan(c.root, c.first_depth, c.block_hashes, c.token_ids),
+                                                c.block_ids, c.hits) for c in chunks])
+
     @property
     def shares_every_request(self) -> bool:
         return self.tiers is not None and self.tiers.shares_every_request

@@ -5,8 +5,8 @@ model computes. The engine is only ever touched by that thread during a step
 and by the event loop between steps: requests added or cancelled mid-step are
 applied as soon as the step returns, so a cancelled request's pages are free
 before the next step is scheduled. When the engine goes idle, the step thread
-compacts its pages if they are fragmented past `compact_threshold`; edits
-made meanwhile wait for it as they wait for a step.
+does the engine's idle work (`LLMEngine.on_idle`: compaction, saving ahead);
+edits made meanwhile wait for it as they wait for a step.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class AsyncEngine:
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pending: list[Callable[[], None]] = []  # engine edits made while a step runs
         self._stepping = False
-        self._compact_when_idle = False  # a step ran since the engine was last idle
+        self._idle_work_due = False  # a step ran since the engine was last idle
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._stopped = False
@@ -128,15 +128,15 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while True:
             if not self.engine.has_unfinished():
-                if self._compact_when_idle:
-                    self._compact_when_idle = False
-                    await self._compact()
+                if self._idle_work_due:
+                    self._idle_work_due = False
+                    await self._idle_work()
                     continue
                 self._wake.clear()
                 await self._wake.wait()
                 continue
             self._stepping = True
-            self._compact_when_idle = True
+            self._idle_work_due = True
             try:
                 outputs = await loop.run_in_executor(self._executor, self.engine.step)
             except Exception as e:  # a failed step fails its requests, not the daemon
@@ -151,13 +151,13 @@ class AsyncEngine:
                     refused = out.finish_reason in (FinishReason.REJECTED, FinishReason.SHED)
                     q.put_nowait(self._overloaded(out.finish_reason) if refused else out)
 
-    async def _compact(self) -> None:
-        """Compacts the idle engine's pages if they need it, on the step thread like a step."""
+    async def _idle_work(self) -> None:
+        """The idle engine's work, on the step thread like a step."""
         self._stepping = True
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.compact_if_fragmented)
-        except Exception:  # e.g. no device memory for the copy (nothing moved then): the loop goes on
-            log.exception("compaction failed")
+            await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.on_idle)
+        except Exception:  # e.g. no device memory for a compaction's copy (nothing moved then): the loop goes on
+            log.exception("the engine's idle work failed")
         finally:
             self._end_stepping()
 

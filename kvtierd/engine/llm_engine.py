@@ -333,6 +333,14 @@ class LLMEngine:
         self.counters.compacted_pages += len(plan.copies)
         return CompactionResult(len(plan.copies), plan.before, self.kv.fragmentation(), time.perf_counter() - t0)
 
+    def on_idle(self) -> None:
+        """Work for the step thread once no request is left: a compaction if the pages are fragmented,
+        then the free-page watermark: the chunks of the idle pages that the next step's allocations would
+        evict (a step's token budget of pages) are saved to the host tier now, so those evictions copy
+        nothing."""
+        self.compact_if_fragmented()
+        self.kv.save_ahead(-(-self.config.max_num_batched_tokens // self.config.block_size))
+
     def compact_if_fragmented(self) -> CompactionResult | None:
         """Compacts an idle engine whose free-space or sequence fragmentation reached `compact_threshold`."""
         threshold = self.config.compact_threshold

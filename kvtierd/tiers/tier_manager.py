@@ -354,6 +354,13 @@ class TierManager:
 
         self._save(copies, host=True, disk=admitted, remote=admitted)
 
+    def save_ahead(self, copies: Sequence[ChunkCopy]) -> int:
+        """Saves chunks of idle device pages to the host tier before they are evicted (the free-page
+        watermark); their eviction then finds them saved. Returns how many were not there yet."""
+        before = self.counts["host"].writes
+        self._save(copies, host=True, disk=lambda c: False, remote=lambda c: False)
+        return self.counts["host"].writes - before
+
     def write_through(self, copies: Sequence[ChunkCopy], wait_for_room: bool = False, session: bool = True) -> bool:
         """Saves chunks to outlive the process (a session's finished turn, the shutdown flush: disk and
         the fleet) or to share them with the fleet (any finished request, with remote admission "all").
