@@ -275,8 +275,9 @@ def test_a_full_server_under_allkeys_lru_evicts_instead(redis_factory: RedisFact
         assert store.put_many([(key(i), value(i, 16_000))])
     assert store.get_many([key(149)]) == [value(149, 16_000)]
     kept = [v is not None for v in store.get_many([key(i) for i in range(150)])]
-    assert 20 < sum(kept) < 100  # the server's LRU is sampled, so which ones went is not exact
-    assert sum(kept[:50]) < sum(kept[100:])
+    # Which ones went is the server's choice, not the store's: its LRU clock ticks once a second, so
+    # keys written within one second look equally old to it.
+    assert 20 < sum(kept) < 100
     usage = store.refresh_usage()
     assert usage is not None and usage.num_evictions > 0 and usage.max_bytes == 2 << 20
     stats = store.stats()
