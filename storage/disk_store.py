@@ -1,9 +1,12 @@
 """The disk tier: chunk values in one LMDB environment under a directory.
 
-Three sub-databases:
+Four sub-databases:
 
     values      key -> value (a kv_frame; opaque here)
     order       key -> <Q use sequence, Q charged bytes>: the LRU order, read into memory at open
+    cataloged   key -> b"": values a session's turn wrote, which the SQL catalog names (written in
+                the value's transaction, deleted with it), so a value the catalog has lost is
+                found and removed at startup
     quarantine  key -> <Q time_ns, H reason length> + reason + the bad value
 
 Every batch is one write transaction, synced at commit: a batch is wholly there
@@ -86,7 +89,7 @@ class DiskStore:
                 # The file's upper bound. It grows sparsely, so a large map costs no disk until used;
                 # an existing file larger than this keeps its size.
                 map_size=map_size,
-                max_dbs=3,  # values, order, quarantine
+                max_dbs=4,  # values, order, cataloged, quarantine
                 # Values are chunks of megabytes in runs of contiguous overflow pages, read whole: with
                 # readahead a cold read is a few large reads, without it one page fault per 4 KiB
                 # (about 30x slower on a virtual disk; `kvtierd bench tiers` measures it).
@@ -115,6 +118,7 @@ class DiskStore:
             with self._env.begin(write=True) as txn:
                 self._values = self._env.open_db(b"values", txn=txn)
                 self._order = self._env.open_db(b"order", txn=txn)
+                self._cataloged = self._env.open_db(b"cataloged", txn=txn)
                 self._quarantine = self._env.open_db(b"quarantine", txn=txn)
             with self._env.begin() as txn:
                 self._lru = _read_lru(txn, self._order)
@@ -159,7 +163,8 @@ class DiskStore:
                     self._touched.add(key)
         return values
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> bool:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], cataloged: bool = False) -> bool:
+        """With `cataloged`, the keys are also marked as named by the SQL catalog (see `cataloged_keys`)."""
         batch = dict(items)  # a key given twice keeps its last value
         self._check_keys(batch)
         if not batch:
@@ -179,6 +184,8 @@ class DiskStore:
                 for key, value in batch.items():
                     txn.put(key, value, db=self._values)
                     txn.put(key, _ORDER.pack(entries[key].seq, entries[key].charge), db=self._order)
+                    if cataloged:
+                        txn.put(key, b"", db=self._cataloged)
 
             stored = self._write(write, need)
             with self._lock:
@@ -198,7 +205,7 @@ class DiskStore:
             deleted: list[bytes] = []
 
             def write(txn: lmdb.Transaction) -> None:
-                deleted[:] = [key for key in keys if _delete_value(txn, key, self._values, self._order)]
+                deleted[:] = [key for key in keys if self._delete_value(txn, key)]
 
             self._write(write)
             self._forget(deleted)
@@ -237,14 +244,19 @@ class DiskStore:
             def move(txn: lmdb.Transaction) -> None:
                 value = txn.get(key, db=self._values)
                 if value is not None:
-                    _delete_value(txn, key, self._values, self._order)
+                    self._delete_value(txn, key)
                     txn.put(key, record + value, db=self._quarantine)
                     _drop_oldest_quarantined(txn, self._quarantine)
 
             if not self._write(move):
                 # No room even for the record: the bad value must still never be served again.
-                self._write(lambda txn: _delete_value(txn, key, self._values, self._order))
+                self._write(lambda txn: self._delete_value(txn, key))
             return True
+
+    def cataloged_keys(self) -> list[bytes]:
+        """The keys of the values written with `cataloged` that are still here."""
+        with self._guard(), self._env.begin() as txn:
+            return [bytes(key) for key, _ in txn.cursor(db=self._cataloged)]
 
     def stats(self) -> StoreStats:
         with self._lock:
@@ -304,7 +316,7 @@ class DiskStore:
         # A MapFullError here (not even a delete finds a free page) escapes to _guard: the store is jammed.
         with self._env.begin(write=True) as txn:
             for key in victims:
-                _delete_value(txn, key, self._values, self._order)
+                self._delete_value(txn, key)
         self._measure()
         self._forget(victims)
         with self._lock:
@@ -343,6 +355,11 @@ class DiskStore:
             return True
         return False
 
+    def _delete_value(self, txn: lmdb.Transaction, key: bytes) -> bool:
+        txn.delete(key, db=self._order)
+        txn.delete(key, db=self._cataloged)
+        return txn.delete(key, db=self._values)
+
     def _forget(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for key in keys:
@@ -353,12 +370,12 @@ class DiskStore:
     def _measure(self) -> None:
         """Reads the pages LMDB's trees hold now (the free list's own pages are in the slack)."""
         with self._env.begin() as txn:
-            stats = [txn.stat(db) for db in (self._values, self._order, self._quarantine)]
+            stats = [txn.stat(db) for db in (self._values, self._order, self._cataloged, self._quarantine)]
         stats.append(self._env.stat())  # the main tree, which names the sub-databases
         live = sum(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"] for st in stats) * self._psize
         with self._lock:
             self._live_bytes = live
-            self._num_quarantined = stats[2]["entries"]
+            self._num_quarantined = stats[3]["entries"]
 
     # -- errors -------------------------------------------------------------------------------
 
@@ -409,9 +426,6 @@ def _read_lru(txn: lmdb.Transaction, order_db: lmdb._Database) -> OrderedDict[by
     return OrderedDict(entries)
 
 
-def _delete_value(txn: lmdb.Transaction, key: bytes, values_db: lmdb._Database, order_db: lmdb._Database) -> bool:
-    txn.delete(key, db=order_db)
-    return txn.delete(key, db=values_db)
 
 
 def _drop_oldest_quarantined(txn: lmdb.Transaction, quarantine_db: lmdb._Database) -> None:

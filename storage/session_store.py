@@ -22,7 +22,7 @@ from sqlalchemy.engine import URL, Engine
 from sqlalchemy.orm import sessionmaker
 
 from kvtierd.storage.sql_migrate import upgrade_to_head
-from kvtierd.storage.sql_models import MESSAGE_ROLES, MessageRow, PinRow, SessionRow
+from kvtierd.storage.sql_models import MESSAGE_ROLES, MessageRow, PinRow, SessionChunkRow, SessionRow
 from kvtierd.storage.store_errors import (
     SessionNotFoundError,
     SessionStoreError,
@@ -189,6 +189,8 @@ class SessionStore:
         token_count: int,
         supersede_from: int | None = None,
         earlier: Sequence[tuple[str, str]] = (),
+        chunk_store: str = "",
+        chunk_keys: Sequence[bytes] = (),
     ) -> tuple[MessageRecord, MessageRecord]:
         """Store a user message and its reply together, or neither.
 
@@ -199,6 +201,9 @@ class SessionStore:
         An edited history: messages from seq `supersede_from` on are marked
         "superseded" (kept, not deleted), and `earlier` (role, content) messages
         the edit brought are stored, complete, before the user message.
+
+        `chunk_keys`: the disk-tier chunks (in `chunk_store`) that hold the session's KV after this
+        turn, cataloged in the same transaction.
         """
         if status not in ("complete", "interrupted"):
             raise StoreArgumentError(f"a turn's status is complete or interrupted, not {status!r}")
@@ -246,6 +251,11 @@ class SessionStore:
                 completion_tokens=completion_tokens,
             )
             db.add_all([user, reply])
+            if chunk_keys:
+                known = set(db.scalars(sa.select(SessionChunkRow.chunk_key).where(
+                    SessionChunkRow.session_id == session_id, SessionChunkRow.store == chunk_store)))
+                db.add_all([SessionChunkRow(session_id=session_id, store=chunk_store, chunk_key=key, created_at=now)
+                            for key in dict.fromkeys(chunk_keys) if key not in known])
             db.flush()
             return _message_record(user), _message_record(reply)
 
@@ -254,6 +264,24 @@ class SessionStore:
         query = sa.delete(SessionRow).where(_owned(session_id, tenant))
         with self._db_errors(), self._sessions.begin() as db:
             return db.connection().execute(query).rowcount == 1
+
+    # -- the chunk catalog ---------------------------------------------------------
+
+    def cataloged_chunks(self, chunk_store: str) -> set[bytes]:
+        """The keys of the chunks in `chunk_store` that some session's rows name."""
+        query = sa.select(SessionChunkRow.chunk_key).where(SessionChunkRow.store == chunk_store).distinct()
+        with self._db_errors(), self._sessions.begin() as db:
+            return set(db.scalars(query))
+
+    def uncatalog_chunks(self, chunk_store: str, chunk_keys: Sequence[bytes]) -> int:
+        """Deletes every session's rows for these chunks of `chunk_store`; returns how many rows went."""
+        removed = 0
+        with self._db_errors(), self._sessions.begin() as db:
+            for i in range(0, len(chunk_keys), 500):  # bounded IN lists
+                removed += db.execute(sa.delete(SessionChunkRow).where(
+                    SessionChunkRow.store == chunk_store,
+                    SessionChunkRow.chunk_key.in_(chunk_keys[i : i + 500]))).rowcount
+        return removed
 
     # -- pins ----------------------------------------------------------------------
 

@@ -1,4 +1,4 @@
-"""SQL schema of the chat-session store: sessions, their messages, and pins.
+"""SQL schema of the chat-session store: sessions, their messages, pins, and the chunk catalog.
 
 The migrations in `kvtierd.migrations` create these tables; this module is the
 ORM view of them (and the target of `alembic revision --autogenerate`).
@@ -105,3 +105,19 @@ class PinRow(Base):
     tier: Mapped[str] = mapped_column(sa.Text, default="device", server_default="device")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+
+
+class SessionChunkRow(Base):
+    """A disk-tier chunk that holds part of a session's KV: the catalog the startup reconciles with LMDB.
+
+    `store` names the disk store (host name and state directory), so daemons sharing one database each
+    reconcile their own rows; the row goes with its session (ON DELETE CASCADE)."""
+
+    __tablename__ = "session_chunks"
+    __table_args__ = (sa.Index(None, "store", "chunk_key"),)
+
+    session_id: Mapped[str] = mapped_column(sa.Text, sa.ForeignKey("sessions.id", ondelete="CASCADE"),
+                                            primary_key=True)
+    store: Mapped[str] = mapped_column(sa.Text, primary_key=True)
+    chunk_key: Mapped[bytes] = mapped_column(sa.LargeBinary, primary_key=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -60,6 +60,21 @@ def test_a_key_given_twice_in_a_batch_keeps_its_last_value(store: DiskStore) -> 
     assert store.stats().num_entries == 1
 
 
+def test_cataloged_marks_live_and_die_with_their_values(tmp_path: Path) -> None:
+    store = DiskStore(tmp_path, map_size=MAP_SIZE)
+    assert store.put_many([(key(1), value(1)), (key(2), value(2))], cataloged=True)
+    assert store.put_many([(key(3), value(3))])  # plain cache: never marked
+    assert sorted(store.cataloged_keys()) == [key(1), key(2)]
+    assert store.delete_many([key(1)]) == 1
+    store.close()
+    again = DiskStore(tmp_path, map_size=MAP_SIZE)
+    assert again.cataloged_keys() == [key(2)]
+    for i in range(4, 40):  # fill the map: the LRU takes key 2 and its mark with it
+        assert again.put_many([(key(i), value(i, 1 << 20))])
+    assert again.contains_prefix([key(2)]) == 0 and again.cataloged_keys() == []
+    again.close()
+
+
 def test_values_survive_close_and_reopen(tmp_path: Path) -> None:
     first = DiskStore(tmp_path, map_size=MAP_SIZE)
     first.put_many([(key(i), value(i)) for i in range(10)])

@@ -93,7 +93,7 @@ def test_migrations_create_the_tables_and_rerunning_is_a_no_op(store_url: str) -
         assert fk["referred_table"] == "sessions"
         assert fk["options"].get("ondelete") == "CASCADE"
         with engine.connect() as conn:
-            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0003"]
+            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0004"]
     finally:
         engine.dispose()
 
@@ -305,6 +305,21 @@ def test_deleting_a_session_deletes_its_messages(store: SessionStore, store_url:
 
     assert store.delete_session("acme", session.id)
     assert count_messages(store_url, session.id) == 0
+
+
+def test_the_chunk_catalog_names_each_turns_chunks_once_and_goes_with_its_session(store: SessionStore) -> None:
+    a, b = store.create_session("acme"), store.create_session("acme")
+    k1, k2, k3 = (bytes([i]) * 16 for i in (1, 2, 3))
+    turn(store, "acme", a.id, 0, chunk_store="host:/s", chunk_keys=[k1])
+    turn(store, "acme", a.id, 1, chunk_store="host:/s", chunk_keys=[k1, k2, k2])  # a later turn names them all
+    turn(store, "acme", b.id, 0, chunk_store="host:/s", chunk_keys=[k1, k3])  # a shared prefix chunk
+    turn(store, "acme", b.id, 1, chunk_store="other:/s", chunk_keys=[k2])  # another daemon's disk
+    assert store.cataloged_chunks("host:/s") == {k1, k2, k3}
+    assert store.cataloged_chunks("other:/s") == {k2}
+    assert store.delete_session("acme", a.id)
+    assert store.cataloged_chunks("host:/s") == {k1, k3}  # k1 is still b's
+    assert store.uncatalog_chunks("host:/s", [k1, k2]) == 1
+    assert store.cataloged_chunks("host:/s") == {k3} and store.cataloged_chunks("other:/s") == {k2}
 
 
 def test_concurrent_turns_on_one_session_get_distinct_seqs(store: SessionStore) -> None:

@@ -116,11 +116,29 @@ def test_a_partial_device_hit_loads_only_the_missing_pages():
         assert torch.equal(a, b)
 
 
+def test_reconcile_deletes_uncataloged_turn_chunks_and_names_missing_keys(tmp_path):
+    device = make_device()
+    tiers = make_tiers(device, tmp_path, host=False, disk_admission="all")
+    hashes, tokens = chain(4)
+    turn_keys = tiers.write_turn(copies(hashes, tokens, [0, 1, 2, 3]), session=True)
+    assert turn_keys == tuple(tiers.epoch.key(hashes[i]) for i in (1, 3))  # one per chunk, for the catalog
+    other_hashes, other_tokens = chain(2, seed=1)
+    tiers.demote(copies(other_hashes, other_tokens, [4, 5]))  # evicted cache: not the catalog's business
+    tiers.wait()
+    gone = b"\x01" * 16  # a row naming a chunk the disk does not hold
+    settled = tiers.reconcile({turn_keys[1], gone})
+    assert settled.orphan_values == 1 and settled.missing_keys == (gone,)
+    assert tiers.disk.contains_prefix([turn_keys[0]]) == 0  # no row names it: deleted
+    assert tiers.disk.contains_prefix([turn_keys[1], tiers.epoch.key(other_hashes[1])]) == 2
+    assert tiers.write_turn(copies(hashes, tokens, [0, 1, 2, 3]), session=True) == turn_keys  # stored or queued
+    tiers.close()
+
+
 def test_the_disk_tier_outlives_the_process(tmp_path):
     device = make_device()
     tiers = make_tiers(device, tmp_path, host=False)
     hashes, tokens = chain(5)
-    tiers.write_through(copies(hashes, tokens, [0, 1, 2, 3, 4]))
+    tiers.write_turn(copies(hashes, tokens, [0, 1, 2, 3, 4]), session=True)
     tiers.close()  # commits what was queued
     again = make_tiers(device, tmp_path, host=False)
     assert [f.tier for f in again.lookup(ROOT, hashes, tokens, 0)] == ["disk"] * 3
@@ -154,7 +172,7 @@ def test_a_corrupt_disk_value_is_a_miss_and_quarantined(tmp_path):
     device = make_device()
     tiers = make_tiers(device, tmp_path, host=False)
     hashes, tokens = chain(2)
-    tiers.write_through(copies(hashes, tokens, [0, 1]))
+    tiers.write_turn(copies(hashes, tokens, [0, 1]), session=True)
     tiers.wait()
     key = tiers.epoch.key(hashes[1])
     frame = bytearray(tiers.disk.get_many([key])[0])
@@ -203,7 +221,7 @@ def test_an_unavailable_disk_leaves_the_host_tier_working(tmp_path):
     assert host.enabled and host.healthy
     assert not disk.enabled and "missing" in disk.reason
     hashes, tokens = chain(2)
-    tiers.write_through(copies(hashes, tokens, [0, 1]))  # nowhere to write: a no-op
+    tiers.write_turn(copies(hashes, tokens, [0, 1]), session=True)  # nowhere to write: a no-op
     tiers.demote(copies(hashes, tokens, [0, 1]))
     assert [f.tier for f in tiers.lookup(ROOT, hashes, tokens, 0)] == ["host"]
 

@@ -4,6 +4,7 @@ directory serves the session's next turn from disk, with the reply an uninterrup
 
 from __future__ import annotations
 
+import sqlite3
 import tempfile
 import time
 from pathlib import Path
@@ -93,5 +94,47 @@ def test_a_session_continues_from_disk_after_kill_9(uninterrupted):
         second = start_daemon(Path(root), env=ENV)  # replaces the stale socket
         try:
             assert_continued_from_disk(turn(second, sid, QUESTIONS[3]), uninterrupted[3])
+        finally:
+            assert second.stop() == 0, second.log_text()
+
+
+def sql(daemon: Daemon, query: str, *args) -> list[tuple]:
+    with sqlite3.connect(daemon.state_dir / "kvtierd.sqlite3") as db:
+        db.execute("PRAGMA foreign_keys=ON")  # as the daemon has it: rows go with their session
+        return db.execute(query, args).fetchall()
+
+
+def test_startup_reconciles_the_disk_tier_with_the_chunk_catalog():
+    """Orphans on either side go at startup: the chunks of a session deleted while the daemon was down,
+    and a catalog row whose chunk the disk does not hold; the surviving session still resumes from disk."""
+    with tempfile.TemporaryDirectory(prefix="kvtierd-") as root:
+        first = start_daemon(Path(root), env=ENV)
+        kept, dropped = new_session(first), new_session(first)
+        turn(first, kept, QUESTIONS[0])
+        turn(first, dropped, "Another question, about LMDB pages and how they are written?")
+        assert first.stop() == 0, first.log_text()
+        catalog = sql(first, "SELECT session_id, chunk_key FROM session_chunks")
+        keys_of = {sid: {bytes(k) for s, k in catalog if s == sid} for sid in (kept, dropped)}
+        assert keys_of[kept] and keys_of[dropped]  # every full chunk of each turn, named in the turn's transaction
+        only_dropped = keys_of[dropped] - keys_of[kept]  # the chunks past their shared system prompt
+        assert only_dropped
+        # While the daemon is down, the session goes from the database (an admin, or a fleet peer) and a
+        # row appears that names a chunk the disk never held.
+        sql(first, "DELETE FROM sessions WHERE id = ?", dropped)
+        store = sql(first, "SELECT store FROM session_chunks LIMIT 1")[0][0]
+        sql(first, "INSERT INTO session_chunks VALUES (?, ?, ?, '2026-12-01 00:00:00')", kept, store, b"\0" * 16)
+
+        second = start_daemon(Path(root), env=ENV)
+        try:
+            disk = tiers(second)["disk"]
+            assert disk["reconciled"] == {"orphan_values": len(only_dropped), "orphan_rows": 1}, disk
+            assert {bytes(k) for (k,) in sql(second, "SELECT chunk_key FROM session_chunks")} == keys_of[kept]
+            with second.client() as c:
+                metrics = c.get("/metrics").text
+            assert f'kvtierd_disk_orphans_removed_total{{side="values"}} {float(len(only_dropped))}' in metrics
+            assert 'kvtierd_disk_orphans_removed_total{side="rows"} 1.0' in metrics
+            assert "1 orphan row(s) removed" in second.log_text()
+            reply = turn(second, kept, QUESTIONS[1])
+            assert reply["kvtierd"]["cached_tokens_by_tier"]["disk"] >= 0.9 * reply["usage"]["prompt_tokens"]
         finally:
             assert second.stop() == 0, second.log_text()

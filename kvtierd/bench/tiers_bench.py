@@ -269,7 +269,7 @@ def run_restore(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, direct
                       chunk_pages=w.chunk_pages)
     tiers = TierManager(disk, pool, loaded.fingerprint)
     _fill(pool, c.kv)
-    tiers.write_through(copies)  # as a session's finished turn: to disk only
+    tiers.write_turn(copies, session=True)  # as a session's finished turn: to disk only
     tiers.wait()
     rows.append(_restore_row("disk warm", [_restore(pool, tiers, c) for _ in range(w.restore_repeats)], c))
     cold = []

@@ -333,18 +333,19 @@ class KVCacheManager:
     def shares_every_request(self) -> bool:
         return self.tiers is not None and self.tiers.shares_every_request
 
-    def write_through(self, seq_id: str, root: BlockHash, token_ids: Sequence[int], session: bool = True) -> None:
+    def write_through(self, seq_id: str, root: BlockHash, token_ids: Sequence[int],
+                      session: bool = True) -> tuple[bytes, ...]:
         """Writes the full pages of `token_ids` (computed by `seq_id`) below: a session's finished turn to
         the disk tier and the fleet's, so the session outlives a restart, a crash or its host; any other
         finished request's prompt to the fleet's when it shares every request. Chunks already there are
-        skipped."""
+        skipped. Returns a session turn's disk keys, for the SQL catalog (`TierManager.write_turn`)."""
         if self.tiers is None or not self.tiers.can_write_through:
-            return
+            return ()
         table = self._tables[seq_id]
         if table.public_blocks:
-            return  # its chain starts in the public namespace: not stored below in this version
+            return ()  # its chain starts in the public namespace: not stored below in this version
         hashes = table.block_hashes[: len(token_ids) // self.block_size]
-        self.tiers.write_through(self._copies(root, hashes, token_ids, table.block_ids), session=session)
+        return self.tiers.write_turn(self._copies(root, hashes, token_ids, table.block_ids), session=session)
 
     def flush_below(self) -> bool:
         """Queues for the disk tier what should outlive a restart: the sessions' resident pages and the
@@ -371,7 +372,7 @@ class KVCacheManager:
             if all(p.root == page.root for p in pages):
                 copies += self._copies(page.root, [p.block_hash for p in pages], [t for p in pages for t in p.tokens],
                                        chain)
-        return self.tiers.write_through(copies, wait_for_room=True)
+        return self.tiers.write_through(copies)
 
     def _copies(self, root: BlockHash, block_hashes: Sequence[BlockHash], token_ids: Sequence[int],
                 block_ids: Sequence[int]) -> list[ChunkCopy]:

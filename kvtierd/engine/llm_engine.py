@@ -289,6 +289,7 @@ class LLMEngine:
             req.finish_reason = FinishReason.STOP
         elif req.num_output_tokens >= p.max_tokens or req.num_tokens >= self.max_model_len:
             req.finish_reason = FinishReason.LENGTH
+        stored_chunks: tuple[bytes, ...] = ()
         if req.finished:
             text += req.detokenizer.flush()
             self._keep_session(req)
@@ -297,12 +298,14 @@ class LLMEngine:
                 # (remote): copied out now, stored by the tiers' writer threads.
                 # Another request reuses a session's whole turn, or a plain request's prompt (not its reply).
                 kept = req.token_ids if req.session_id is not None else req.prompt_token_ids
-                self.kv.write_through(req.request_id, req.cache_root, kept, session=req.session_id is not None)
+                stored_chunks = self.kv.write_through(req.request_id, req.cache_root, kept,
+                                                      session=req.session_id is not None)
             del self.requests[req.request_id]
             self.scheduler.remove(req)
-        return self._output(req, [token], text, logprob)
+        return self._output(req, [token], text, logprob, stored_chunks)
 
-    def _output(self, req: Request, token_ids: list[int], text: str, logprob: TokenLogprob | None) -> RequestOutput:
+    def _output(self, req: Request, token_ids: list[int], text: str, logprob: TokenLogprob | None,
+                stored_chunks: tuple[bytes, ...] = ()) -> RequestOutput:
         return RequestOutput(
             request_id=req.request_id,
             token_ids=token_ids,
@@ -317,6 +320,7 @@ class LLMEngine:
             cache_source=req.cache_source,
             queue_s=(req.first_scheduled_time or req.arrival_time) - req.arrival_time,
             restore=req.restore,
+            stored_chunks=stored_chunks,
         )
 
     # -- compaction -----------------------------------------------------------------

@@ -45,6 +45,7 @@ class RequestOutput:
     cache_source: str  # "session" (its context pool), "prefix" (the tenant's index), "public" or "none"
     queue_s: float  # from arrival to first being scheduled
     restore: RestorePlan = NOTHING_BELOW  # whether chunks found below the device were loaded or recomputed
+    stored_chunks: tuple[bytes, ...] = ()  # a finished session turn: its chunks' disk keys, for the SQL catalog
 
 
 @dataclass(slots=True)

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from kvtierd import __version__
 from kvtierd.cache.fragmentation import Fragmentation
+from kvtierd.server.chunk_catalog import CatalogReconciliation
 from kvtierd.server.errors import ApiError
 from kvtierd.server.session_routes import query_limit, drop_session_kv, message_json, session_json
 from kvtierd.server.state import STATE, DaemonState
@@ -98,11 +99,15 @@ async def tiers(request: web.Request) -> web.Response:
         "evictions": asdict(pool.evictions),
         "enabled": True,
         "healthy": True,
-    }] + [lower_tier_json(t, c.prompt_tokens, eng.tiers.chunk_pages) for t in eng.tier_stats()]})
+    }] + [lower_tier_json(t, c.prompt_tokens, eng.tiers.chunk_pages, state.reconciliation)
+          for t in eng.tier_stats()]})
 
 
-def lower_tier_json(t: TierStats, query_tokens: int, chunk_pages: int) -> dict:
-    """A host or disk tier: entries are chunks of up to chunk_pages pages; hits are chunks loaded back."""
+def lower_tier_json(t: TierStats, query_tokens: int, chunk_pages: int,
+                    reconciliation: CatalogReconciliation | None = None) -> dict:
+    """A host or disk tier: entries are chunks of up to chunk_pages pages; hits are chunks loaded back. The
+    disk's `reconciled`: the orphans its startup reconciliation with the SQL chunk catalog removed."""
+    reconciled = asdict(reconciliation) if t.name == "disk" and reconciliation is not None else None
     return {
         "name": t.name, "enabled": t.enabled, "healthy": t.healthy, "reason": t.reason,
         "capacity_bytes": t.capacity_bytes, "used_bytes": t.used_bytes, "entries": t.entries,
@@ -110,6 +115,7 @@ def lower_tier_json(t: TierStats, query_tokens: int, chunk_pages: int) -> dict:
         "hit_rate": t.hit_tokens / query_tokens if query_tokens else 0.0,
         "writes": t.writes, "pending_writes": t.pending_writes, "dropped_writes": t.dropped_writes,
         "evictions": {"capacity": t.evictions}, "corrupt": t.corrupt, "pinned": t.pinned,
+        "reconciled": reconciled,
     }
 
 

@@ -9,6 +9,7 @@ from aiohttp import web
 
 from kvtierd.server import (admin_routes, chat_routes, metrics_routes, openapi, pin_routes, prefix_routes,
                             session_routes, workload_routes)
+from kvtierd.server.chunk_catalog import reconcile_disk_tier
 from kvtierd.server.metrics_routes import metrics_middleware
 from kvtierd.server.middleware import errors_middleware, peer_middleware
 from kvtierd.server.state import STATE, DaemonState
@@ -31,6 +32,7 @@ ROUTE_TABLES = (chat_routes.routes, session_routes.routes, admin_routes.routes, 
 async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     await state.engine.start()
+    state.reconciliation = await reconcile_disk_tier(state)  # before the pins, which may hold disk chunks
     await pin_routes.restore_pins(state)
     yield
     await state.engine.stop()

@@ -123,5 +123,6 @@ async def record_turn(state: DaemonState, tenant: str, turn: Turn, result: Gener
         status=status, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
         token_count=result.prompt_tokens + result.completion_tokens,
         supersede_from=turn.supersede_from, earlier=turn.earlier,
+        chunk_store=state.chunk_store, chunk_keys=result.stored_chunks,
     )
     await asyncio.shield(write)

@@ -14,6 +14,7 @@ from dataclasses import asdict
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvtierd.engine.llm_engine import LLMEngine
+from kvtierd.server.chunk_catalog import CatalogReconciliation
 from kvtierd.server.state import ServerCounters
 from kvtierd.tiers.tier_manager import TierManager
 
@@ -21,8 +22,16 @@ TIER = "device"
 
 
 class EngineCollector:
-    def __init__(self, engine: LLMEngine, server: ServerCounters, uptime_s: float) -> None:
+    def __init__(self, engine: LLMEngine, server: ServerCounters, uptime_s: float,
+                 reconciliation: CatalogReconciliation | None = None) -> None:
         self._families = list(_families(engine, server, uptime_s))
+        if reconciliation is not None:
+            orphans = CounterMetricFamily("kvtierd_disk_orphans_removed", "Orphans the startup reconciliation of the "
+                                          "disk tier with the SQL chunk catalog removed: LMDB values no row named, "
+                                          "rows naming no value.", labels=["side"])
+            orphans.add_metric(["values"], reconciliation.orphan_values)
+            orphans.add_metric(["rows"], reconciliation.orphan_rows)
+            self._families.append(orphans)
 
     def collect(self) -> list[Metric]:
         return self._families

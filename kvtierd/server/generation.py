@@ -27,6 +27,7 @@ class GenerationResult:
     restore: dict | None = None  # chunks found below the device: loaded or recomputed, and the estimates why
     queue_ms: float = 0.0
     ttft_ms: float | None = None
+    stored_chunks: tuple[bytes, ...] = ()  # a session turn's chunks on the disk tier, for the SQL catalog
 
     @property
     def completion_tokens(self) -> int:
@@ -108,6 +109,7 @@ class Generation:
                 r.logprobs.extend(out.logprobs)
                 if out.finished:
                     r.finish_reason = out.finish_reason.value
+                    r.stored_chunks = out.stored_chunks
                 yield out
         finally:
             await self._stream.aclose()  # leaving early cancels the request and frees its pages

@@ -21,7 +21,8 @@ routes = web.RouteTableDef()
 async def metrics(request: web.Request) -> web.Response:
     state = request.app[STATE]
     uptime_s = time.monotonic() - state.started
-    engine = await state.engine.call(lambda: EngineCollector(state.engine.engine, state.counters, uptime_s))
+    engine = await state.engine.call(
+        lambda: EngineCollector(state.engine.engine, state.counters, uptime_s, state.reconciliation))
     return web.Response(body=state.metrics.render(engine), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 

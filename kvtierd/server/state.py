@@ -10,6 +10,7 @@ from typing import Any, Callable, TypeVar
 from aiohttp import web
 
 from kvtierd.engine.async_engine import AsyncEngine
+from kvtierd.server.chunk_catalog import CatalogReconciliation, chunk_store_name
 from kvtierd.model.loader import LoadedModel
 from kvtierd.server.metrics import ServerMetrics
 from kvtierd.server.settings import Settings
@@ -41,6 +42,11 @@ class DaemonState:
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     # (tenant, session id) -> messages its prompt leaves out since it outgrew the window
     truncation_cuts: dict[tuple[str, str], int] = field(default_factory=dict)
+    reconciliation: CatalogReconciliation | None = None  # the disk tier against the chunk catalog, at startup
+    chunk_store: str = field(init=False)  # the disk tier's name in the chunk catalog
+
+    def __post_init__(self) -> None:
+        self.chunk_store = chunk_store_name(self.settings)
 
     @property
     def model_id(self) -> str:

@@ -62,13 +62,14 @@ class ChunkWriter:
         with self._lock:
             self.num_dropped += n
 
-    def submit(self, key: bytes, identity: ChunkIdentity, kv: torch.Tensor) -> None:
-        """Queues a chunk: its key, identity and KV (a CPU tensor); ask `has_room` first."""
+    def submit(self, key: bytes, identity: ChunkIdentity, kv: torch.Tensor, cataloged: bool = False) -> None:
+        """Queues a chunk: its key, identity and KV (a CPU tensor); ask `has_room` first. `cataloged` (disk
+        only): a session's turn wrote it, and the SQL catalog will name it."""
         nbytes = kv.numel() * kv.element_size()
         with self._lock:
             self._pending[key] = nbytes
             self._pending_bytes += nbytes
-        self._pool.submit(self._write, [(key, identity, kv)])
+        self._pool.submit(self._write, [(key, identity, kv)], cataloged)
 
     def run(self, fn: Callable[[], object]) -> Future:
         """Runs `fn` on the writer thread after everything submitted before it."""
@@ -87,12 +88,14 @@ class ChunkWriter:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _write(self, chunks: list[tuple[bytes, ChunkIdentity, torch.Tensor]]) -> None:
+    def _write(self, chunks: list[tuple[bytes, ChunkIdentity, torch.Tensor]], cataloged: bool) -> None:
         stored = False
         try:
             items = [(key, encode_frame(identity, kv.reshape(-1).view(torch.uint8).numpy(), codec=self.codec))
                      for key, identity, kv in chunks]
-            stored = bool(self._guarded(lambda: self.store.put_many(items)))
+            put = (lambda: self.store.put_many(items, cataloged=True)) if cataloged else \
+                (lambda: self.store.put_many(items))
+            stored = bool(self._guarded(put))
         except Exception:  # a bug, not the disk: the executor would swallow it silently
             log.exception("writing %d chunk(s) to the %s KV tier failed", len(chunks), self.tier)
         finally:

@@ -77,6 +77,14 @@ MAX_PREFETCHED_ORIGINS = 4096  # host keys whose origin tier is remembered until
 MAX_HASH_BYTES = 32  # the longest block hash (sha256): host slots fit a chunk of any hash function
 
 
+@dataclass(frozen=True, slots=True)
+class Reconciliation:
+    """What settling the disk tier against the SQL chunk catalog found (at startup)."""
+
+    orphan_values: int  # values a session's turn wrote that no catalog row names any more: deleted
+    missing_keys: tuple[bytes, ...]  # cataloged keys the disk does not hold (evicted, bad, never committed)
+
+
 @dataclass(slots=True)
 class TierCounts:
     hits: int = 0  # chunks loaded into the device
@@ -361,31 +369,45 @@ class TierManager:
         self._save(copies, host=True, disk=lambda c: False, remote=lambda c: False)
         return self.counts["host"].writes - before
 
-    def write_through(self, copies: Sequence[ChunkCopy], wait_for_room: bool = False, session: bool = True) -> bool:
-        """Saves chunks to outlive the process (a session's finished turn, the shutdown flush: disk and
-        the fleet) or to share them with the fleet (any finished request, with remote admission "all").
-        The copy out of the device happens now; encoding and storing on the writers' threads.
+    def write_turn(self, copies: Sequence[ChunkCopy], session: bool) -> tuple[bytes, ...]:
+        """Saves a finished request's chunks: a session's turn to disk and the fleet, so the session outlives a
+        restart, a crash or its host; any other request's prompt to the fleet, when it shares every request.
+        The copy out of the device happens now; encoding and storing on the writers' threads (a chunk the
+        disk writer has no room for is dropped and counted).
 
-        When the disk writer's queue is full, the rest are dropped (counted); with `wait_for_room` they
-        are left instead and False returned: call `wait()` (off the event loop) and again."""
-        shared = session or self.shares_every_request
-        return self._save(copies, host=False, disk=lambda c: session, remote=lambda c: shared,
-                          stop_when_full=wait_for_room)
+        Returns the disk keys of a session turn's chunks (stored, or queued now and marked cataloged) for the
+        SQL catalog to name; the startup reconciliation (`reconcile`) settles what a crash left half done."""
+        _, disk_keys = self._save(copies, host=False, disk=lambda c: session,
+                                  remote=lambda c: session or self.shares_every_request, cataloged=True)
+        return tuple(disk_keys)
+
+    def write_through(self, copies: Sequence[ChunkCopy]) -> bool:
+        """Queues chunks for the disk tier and the fleet (the shutdown flush), as many as the disk writer's
+        queue has room for: False when it filled up first; then `wait()` (off the event loop) and call again.
+        Chunks stored or queued already are skipped."""
+        done, _ = self._save(copies, host=False, disk=lambda c: True, remote=lambda c: True, stop_when_full=True)
+        return done
 
     def _save(self, copies: Sequence[ChunkCopy], host: bool, disk: Callable[[ChunkCopy], bool],
-              remote: Callable[[ChunkCopy], bool], stop_when_full: bool = False) -> bool:
-        done = True
+              remote: Callable[[ChunkCopy], bool], stop_when_full: bool = False,
+              cataloged: bool = False) -> tuple[bool, list[bytes]]:
+        """Returns whether every copy was taken (False only with `stop_when_full`), and the disk keys of the
+        copies the disk has or will have."""
+        done, disk_keys = True, []
         for c in copies:
             key = self.epoch.key(c.span.last_hash)
             nbytes = len(c.block_ids) * self._geometry.bytes_per_block
             to_host = host and self.host is not None and not self.host.contains_prefix([key])
-            to_disk = self.has_disk and disk(c) and not self._writer.has(key)
+            on_disk = self.has_disk and disk(c)
+            to_disk = on_disk and not self._writer.has(key)
             if to_disk and not self._writer.has_room(nbytes):
-                to_disk = False
+                to_disk = on_disk = False
                 if stop_when_full:
                     done = False
                     break
                 self._writer.note_dropped()
+            if on_disk:
+                disk_keys.append(key)
             remote_key = self._key("remote", c.span.last_hash) if remote(c) else None
             to_remote = remote_key is not None and not self._fleet_epoch.knows(remote_key)
             if to_remote and not self._remote_writer.has_room(nbytes):
@@ -400,12 +422,12 @@ class TierManager:
             if not (to_disk or to_remote):
                 continue
             kv = self._pages.gather(c.block_ids)
-            if to_disk:
-                self._writer.submit(key, identity, kv)  # one transaction per chunk: chunks are megabytes
+            if to_disk:  # one transaction per chunk: chunks are megabytes
+                self._writer.submit(key, identity, kv, cataloged=cataloged)
             if to_remote:
                 self._remote_writer.submit(remote_key, identity, kv)
                 self._fleet_epoch.remember(remote_key)
-        return done
+        return done, disk_keys
 
     # -- pins ----------------------------------------------------------------------------------
 
@@ -493,6 +515,22 @@ class TierManager:
             self._writer.run(lambda: self.epoch.save(value))
         if self._fleet_epoch is not None:
             self._fleet_epoch.bump()  # one INCR, bounded by the store's timeout
+
+    def reconcile(self, cataloged: set[bytes]) -> Reconciliation | None:
+        """Settles the disk tier against the keys the SQL catalog names (`cataloged`): deletes the values a
+        session's turn wrote that it no longer names (their session was deleted meanwhile, or the daemon died
+        before the turn was stored), and returns the cataloged keys the disk lacks, whose rows are to go.
+        None without a disk tier. Runs on the disk writer's thread, after the writes queued before it."""
+        if not self.has_disk:
+            return None
+
+        def settle() -> Reconciliation:
+            orphans = [key for key in self.disk.cataloged_keys() if key not in cataloged]
+            deleted = self.disk.delete_many(orphans) if orphans else 0
+            missing = tuple(key for key in cataloged if not self.disk.contains_prefix([key]))
+            return Reconciliation(deleted, missing)
+
+        return self._writer.run(settle).result()
 
     # -- lifetime and reports ------------------------------------------------------------------------
 

@@ -1,0 +1,64 @@
+"""The SQL chunk catalog: which disk-tier chunks hold each session's KV, and its reconciliation with LMDB.
+
+A session turn's chunks are written to LMDB by the disk writer (marked cataloged, in the value's own
+transaction) while the turn itself, with one catalog row per chunk, is written to SQL in one
+transaction (`record_turn`). Either may be lost alone: a crash between the two, a dropped write, an
+eviction, a session deleted while this daemon was down (its rows go with it, its values stay). At
+startup `reconcile_disk_tier` settles them, before the socket serves:
+
+    LMDB value marked cataloged, no row names it  -> the value is deleted (an orphan value)
+    row naming a key LMDB does not hold           -> the row is deleted (an orphan row)
+
+Values the disk tier holds for other reasons (evicted prefixes, the shutdown flush) are plain cache,
+left to its LRU. Rows carry the store's name (host name and state directory), so daemons sharing one
+PostgreSQL each settle their own.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtierd.server.settings import Settings
+from kvtierd.storage.store_errors import SessionStoreError
+
+if TYPE_CHECKING:  # the state holds this module's result
+    from kvtierd.server.state import DaemonState
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CatalogReconciliation:
+    orphan_values: int  # LMDB values no catalog row named: deleted
+    orphan_rows: int  # catalog rows whose value LMDB did not hold: deleted
+
+
+def chunk_store_name(settings: Settings) -> str:
+    """The disk store's name in the catalog: this host's name and the state directory it lives in."""
+    return f"{socket.gethostname()}:{settings.state_dir.resolve()}"
+
+
+async def reconcile_disk_tier(state: DaemonState) -> CatalogReconciliation | None:
+    """Removes the orphans on either side (see the module's note); None when there is no disk tier or the
+    session database cannot be read now (then nothing is removed)."""
+    tiers = state.engine.engine.tiers
+    if tiers is None or not tiers.has_disk:
+        return None
+    name = state.chunk_store
+    try:
+        cataloged = await state.db(state.store.cataloged_chunks, name)
+        settled = await state.db(tiers.reconcile, cataloged)
+        if settled is None:
+            return None
+        rows = await state.db(state.store.uncatalog_chunks, name, list(settled.missing_keys))
+    except SessionStoreError as e:
+        log.warning("disk KV tier not reconciled with the session catalog: %s", e)
+        return None
+    result = CatalogReconciliation(settled.orphan_values, rows)
+    log.info("disk KV tier reconciled with the session catalog: %d orphan value(s) and %d orphan row(s) "
+             "removed, %d chunk(s) cataloged", result.orphan_values, result.orphan_rows,
+             len(cataloged) - len(settled.missing_keys))
+    return result
