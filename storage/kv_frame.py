@@ -145,6 +145,66 @@ def decode_frame(data: Buffer, expected: FrameExpectation) -> DecodedChunk:
 def check_frame_head(data: Buffer, expected: FrameExpectation) -> CheckedFrame:
     """Checks everything of a frame but its payload's checksum, which the caller must compare (the host
     tier hashes the payload while it copies it, in the same pass). Raises CorruptValueError."""
+    f = _sections(data)
+    g = expected.geometry
+    found = (f.num_layers, f.num_kv_heads, f.head_dim, f.block_size, f.dtype)
+    wanted = (g.num_layers, g.num_kv_heads, g.head_dim, g.block_size, _dtype_name(g).encode())
+    if found != wanted:
+        raise CorruptValueError("geometry", f"frame has {found}, expected {wanted}")
+    if f.namespace != expected.namespace:
+        raise CorruptValueError("namespace", "the frame belongs to another namespace")
+    if f.num_pages != expected.num_pages or f.hashes != b"".join(expected.block_hashes):
+        raise CorruptValueError("block hashes", f"the frame's {f.num_pages} page hashes differ from the chunk's")
+    if f.tokens != expected.packed_token_ids():
+        raise CorruptValueError("token ids", "the frame's token ids differ from the chunk's")
+    if f.payload_nbytes != expected.payload_nbytes:
+        raise CorruptValueError("payload size", f"{f.payload_nbytes} bytes, the geometry needs "
+                                f"{expected.payload_nbytes}")
+    try:
+        name = f.codec.decode("ascii")
+        get_codec(name)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise CorruptValueError("codec", f"unknown codec {f.codec!r}") from e
+    return CheckedFrame(name, f.encoded, f.payload_offset, f.checksum)
+
+
+def claimed_identity(data: Buffer, geometry: KVGeometry) -> ChunkIdentity:
+    """The identity a frame says it has, read in `geometry`: for a reader that knows only the value's key
+    (warming a tier from another). Nothing is checked but the frame's shape: `decode_frame` with this
+    identity checks the rest, and the caller compares the key with the last block hash. Raises
+    CorruptValueError."""
+    f = _sections(data)
+    if f.num_pages == 0 or f.hash_len == 0 or f.block_size != geometry.block_size:
+        raise CorruptValueError("geometry", f"{f.num_pages} pages of {f.block_size} tokens, hashes of "
+                                f"{f.hash_len} bytes")
+    hashes = f.hashes.tobytes()
+    return ChunkIdentity(geometry, f.namespace.tobytes(),
+                         tuple(hashes[i : i + f.hash_len] for i in range(0, len(hashes), f.hash_len)),
+                         struct.unpack(f"<{len(f.tokens) // _TOKEN_BYTES}I", f.tokens))
+
+
+@dataclass(frozen=True, slots=True)
+class _Sections:
+    """A frame cut into its parts, unchecked (views into the caller's buffer)."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    num_pages: int
+    hash_len: int
+    payload_nbytes: int
+    checksum: int
+    dtype: bytes
+    namespace: memoryview
+    codec: bytes
+    hashes: memoryview
+    tokens: memoryview
+    payload_offset: int
+    encoded: memoryview
+
+
+def _sections(data: Buffer) -> _Sections:
     view = memoryview(data)
     if len(view) < _HEADER.size:
         raise CorruptValueError("truncated", f"{len(view)} bytes is shorter than the {_HEADER.size}-byte header")
@@ -154,7 +214,6 @@ def check_frame_head(data: Buffer, expected: FrameExpectation) -> CheckedFrame:
         raise CorruptValueError("magic", f"{magic!r} is not {MAGIC!r}")
     if version != FORMAT_VERSION:
         raise CorruptValueError("version", f"format version {version}, this build reads {FORMAT_VERSION}")
-
     reader = _Reader(view, _HEADER.size)
     dtype = reader.short().tobytes()
     namespace = reader.take(_U16.unpack(reader.take(_U16.size))[0])
@@ -166,26 +225,8 @@ def check_frame_head(data: Buffer, expected: FrameExpectation) -> CheckedFrame:
     encoded = reader.take(encoded_nbytes)
     if reader.offset != len(view):
         raise CorruptValueError("truncated", f"{len(view) - reader.offset} bytes after the payload")
-
-    g = expected.geometry
-    found = (num_layers, num_kv_heads, head_dim, block_size, dtype)
-    wanted = (g.num_layers, g.num_kv_heads, g.head_dim, g.block_size, _dtype_name(g).encode())
-    if found != wanted:
-        raise CorruptValueError("geometry", f"frame has {found}, expected {wanted}")
-    if namespace != expected.namespace:
-        raise CorruptValueError("namespace", "the frame belongs to another namespace")
-    if num_pages != expected.num_pages or hashes != b"".join(expected.block_hashes):
-        raise CorruptValueError("block hashes", f"the frame's {num_pages} page hashes differ from the chunk's")
-    if tokens != expected.packed_token_ids():
-        raise CorruptValueError("token ids", "the frame's token ids differ from the chunk's")
-    if payload_nbytes != expected.payload_nbytes:
-        raise CorruptValueError("payload size", f"{payload_nbytes} bytes, the geometry needs {expected.payload_nbytes}")
-    try:
-        name = codec.decode("ascii")
-        get_codec(name)
-    except (UnicodeDecodeError, ValueError) as e:
-        raise CorruptValueError("codec", f"unknown codec {codec!r}") from e
-    return CheckedFrame(name, encoded, payload_offset, checksum)
+    return _Sections(num_layers, num_kv_heads, head_dim, block_size, num_pages, hash_len, payload_nbytes, checksum,
+                     dtype, namespace, codec, hashes, tokens, payload_offset, encoded)
 
 
 def _dtype_name(geometry: KVGeometry) -> str:

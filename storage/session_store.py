@@ -203,7 +203,8 @@ class SessionStore:
         the edit brought are stored, complete, before the user message.
 
         `chunk_keys`: the disk-tier chunks (in `chunk_store`) that hold the session's KV after this
-        turn, cataloged in the same transaction.
+        turn, its whole chain: they replace the session's rows for that store in the same transaction
+        (an earlier turn's partial chunk, or a chain an edit left behind, is no longer named).
         """
         if status not in ("complete", "interrupted"):
             raise StoreArgumentError(f"a turn's status is complete or interrupted, not {status!r}")
@@ -252,8 +253,10 @@ class SessionStore:
             )
             db.add_all([user, reply])
             if chunk_keys:
-                known = set(db.scalars(sa.select(SessionChunkRow.chunk_key).where(
-                    SessionChunkRow.session_id == session_id, SessionChunkRow.store == chunk_store)))
+                mine = (SessionChunkRow.session_id == session_id, SessionChunkRow.store == chunk_store)
+                known = set(db.scalars(sa.select(SessionChunkRow.chunk_key).where(*mine)))
+                if stale := known.difference(chunk_keys):
+                    db.execute(sa.delete(SessionChunkRow).where(*mine, SessionChunkRow.chunk_key.in_(stale)))
                 db.add_all([SessionChunkRow(session_id=session_id, store=chunk_store, chunk_key=key, created_at=now)
                             for key in dict.fromkeys(chunk_keys) if key not in known])
             db.flush()
@@ -272,6 +275,21 @@ class SessionStore:
         query = sa.select(SessionChunkRow.chunk_key).where(SessionChunkRow.store == chunk_store).distinct()
         with self._db_errors(), self._sessions.begin() as db:
             return set(db.scalars(query))
+
+    def recent_session_chunks(self, chunk_store: str, num_sessions: int) -> list[bytes]:
+        """The cataloged chunks in `chunk_store` of the `num_sessions` most recently used sessions that have
+        some, least recent session first, each session's in the order its turns stored them."""
+        recent = (sa.select(SessionRow.id, SessionRow.last_used_at)
+                  .where(SessionRow.id.in_(sa.select(SessionChunkRow.session_id)
+                                           .where(SessionChunkRow.store == chunk_store)))
+                  .order_by(SessionRow.last_used_at.desc(), SessionRow.id).limit(num_sessions).subquery())
+        query = (sa.select(SessionChunkRow.chunk_key)
+                 .join(recent, recent.c.id == SessionChunkRow.session_id)
+                 .where(SessionChunkRow.store == chunk_store)
+                 .order_by(recent.c.last_used_at, recent.c.id, SessionChunkRow.created_at, SessionChunkRow.chunk_key))
+        with self._db_errors(), self._sessions.begin() as db:
+            keys = list(db.scalars(query))
+        return list(reversed(dict.fromkeys(reversed(keys))))  # a shared chunk where its latest session has it
 
     def uncatalog_chunks(self, chunk_store: str, chunk_keys: Sequence[bytes]) -> int:
         """Deletes every session's rows for these chunks of `chunk_store`; returns how many rows went."""

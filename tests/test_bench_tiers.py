@@ -41,7 +41,7 @@ def test_disk_bandwidth_beside_the_raw_disk(figures):
     b = figures.disk_bandwidth
     assert b.chunks == 3 and b.raw_write_GB_s > 0 and b.raw_read_cold_GB_s > 0
     planes, raw = b.rows
-    assert (planes.codec, raw.codec) == ("zstd-planes", "raw")
+    assert (planes.codec, raw.codec) == ("zstd-planes", "raw") and b.auto_codec == "raw"  # float32 KV
     assert raw.stored_bytes > b.payload_bytes > planes.stored_bytes  # raw frames add a head; real KV compresses
     for row in b.rows:
         assert row.payload_equal
@@ -52,9 +52,11 @@ def test_disk_bandwidth_beside_the_raw_disk(figures):
 def test_every_codec_round_trips_real_kv(figures):
     c = figures.codecs
     assert c.dtype == "float32" and c.chunks == 2
-    assert [row.codec for row in c.rows] == list(CODEC_NAMES)
-    by_name = {row.codec: row for row in c.rows}
-    assert by_name["raw"].ratio == 1.0 and by_name["zstd-planes"].ratio > 1.0
+    assert [(row.codec, row.dtype) for row in c.rows] == [(name, dtype) for dtype in ("float32", "bfloat16")
+                                                          for name in CODEC_NAMES]
+    for dtype in ("float32", "bfloat16"):
+        by_name = {row.codec: row for row in c.rows if row.dtype == dtype}
+        assert by_name["raw"].ratio == 1.0 and by_name["zstd-planes"].ratio > 1.0
     assert all(row.exact and row.compress_GB_s > 0 and row.decompress_GB_s > 0 for row in c.rows)
 
 

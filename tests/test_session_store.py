@@ -309,17 +309,32 @@ def test_deleting_a_session_deletes_its_messages(store: SessionStore, store_url:
 
 def test_the_chunk_catalog_names_each_turns_chunks_once_and_goes_with_its_session(store: SessionStore) -> None:
     a, b = store.create_session("acme"), store.create_session("acme")
-    k1, k2, k3 = (bytes([i]) * 16 for i in (1, 2, 3))
+    k1, k2, k3, k4 = (bytes([i]) * 16 for i in (1, 2, 3, 4))
     turn(store, "acme", a.id, 0, chunk_store="host:/s", chunk_keys=[k1])
-    turn(store, "acme", a.id, 1, chunk_store="host:/s", chunk_keys=[k1, k2, k2])  # a later turn names them all
+    turn(store, "acme", a.id, 1, chunk_store="host:/s", chunk_keys=[k1, k2, k2])  # a later turn names its chain
     turn(store, "acme", b.id, 0, chunk_store="host:/s", chunk_keys=[k1, k3])  # a shared prefix chunk
     turn(store, "acme", b.id, 1, chunk_store="other:/s", chunk_keys=[k2])  # another daemon's disk
     assert store.cataloged_chunks("host:/s") == {k1, k2, k3}
     assert store.cataloged_chunks("other:/s") == {k2}
+    turn(store, "acme", a.id, 2, chunk_store="host:/s", chunk_keys=[k1, k4])  # k2 was its last partial chunk
+    turn(store, "acme", a.id, 3)  # no disk tier, or an interrupted turn: the rows stay
+    assert store.cataloged_chunks("host:/s") == {k1, k3, k4}
     assert store.delete_session("acme", a.id)
     assert store.cataloged_chunks("host:/s") == {k1, k3}  # k1 is still b's
     assert store.uncatalog_chunks("host:/s", [k1, k2]) == 1
     assert store.cataloged_chunks("host:/s") == {k3} and store.cataloged_chunks("other:/s") == {k2}
+
+
+def test_recent_session_chunks_come_least_recent_session_first(store: SessionStore) -> None:
+    a, b, c = store.create_session("acme"), store.create_session("acme"), store.create_session("acme")
+    shared, k1, k2, k3 = (bytes([i]) * 16 for i in (9, 1, 2, 3))
+    turn(store, "acme", a.id, 0, chunk_store="host:/s", chunk_keys=[shared, k1])
+    turn(store, "acme", b.id, 0, chunk_store="host:/s", chunk_keys=[shared, k2])
+    turn(store, "acme", c.id, 0, chunk_store="other:/s", chunk_keys=[k3])  # used later, on another disk
+    turn(store, "acme", store.create_session("acme").id, 0)  # used last, with no chunks
+    assert store.recent_session_chunks("host:/s", 1) == [k2, shared]  # b's: one turn's chunks come by key
+    assert store.recent_session_chunks("host:/s", 5) == [k1, k2, shared]  # a shared chunk with its latest user
+    assert store.recent_session_chunks("other:/s", 5) == [k3]
 
 
 def test_concurrent_turns_on_one_session_get_distinct_seqs(store: SessionStore) -> None:

@@ -63,6 +63,7 @@ SAMPLES: dict[str, tuple[tuple[Any, Any], tuple[str, Any], tuple[Any, Any]]] = {
     "disk_codec": (("raw", "raw"), ("zstd", "zstd"), ("zstd-planes", "zstd-planes")),
     "disk_admission": (("all", "all"), ("reused", "reused"), ("ALL", "all")),
     "flush_on_shutdown": ((False, False), ("yes", True), ("off", False)),
+    "warm_sessions": ((0, 0), ("32", 32), (4, 4)),
     "qos_weights": (("high=9,normal=3,low=1", {"high": 9.0, "normal": 3.0, "low": 1.0}),
                     ("low=2,high=4,normal=3", {"high": 4.0, "normal": 3.0, "low": 2.0}),
                     ("HIGH=1,normal=1,low=1", {"high": 1.0, "normal": 1.0, "low": 1.0})),
@@ -128,7 +129,7 @@ def test_defaults():
     assert (s.eviction_policy, s.prefix_ttl_s) == ("lru", 0.0)
     assert (s.max_num_batched_tokens, s.max_num_seqs, s.max_model_len, s.default_max_tokens) == (2048, 64, 0, 512)
     assert (s.host_bytes, s.disk_bytes, s.chunk_pages) == (2 << 30, 16 << 30, 16)
-    assert (s.disk_codec, s.disk_admission, s.flush_on_shutdown) == ("zstd-planes", "reused", True)
+    assert (s.disk_codec, s.disk_admission, s.flush_on_shutdown) == ("auto", "reused", True)
     assert s.store_url == f"sqlite:///{s.state_dir}/kvtierd.sqlite3"
 
 
@@ -199,6 +200,7 @@ BAD_VALUES = [
     ("disk_codec", "lz4"),
     ("disk_admission", "never"),
     ("flush_on_shutdown", "maybe"),
+    ("warm_sessions", "-1"),
 ]
 
 

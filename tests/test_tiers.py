@@ -134,6 +134,28 @@ def test_reconcile_deletes_uncataloged_turn_chunks_and_names_missing_keys(tmp_pa
     tiers.close()
 
 
+def test_warm_copies_disk_chunks_to_the_host_tier_checked_against_their_keys(tmp_path):
+    device = make_device()
+    tiers = make_tiers(device, tmp_path)
+    old_hashes, old_tokens = chain(2, seed=2)
+    (old_key,) = tiers.write_turn(copies(old_hashes, old_tokens, [6, 7]), session=True)
+    tiers.wait()
+    tiers.invalidate_all()  # a new epoch: the old value is still on disk, under a key nothing asks for
+    hashes, tokens = chain(4)
+    keys = tiers.write_turn(copies(hashes, tokens, [0, 1, 2, 3]), session=True)
+    tiers.wait()
+    assert tiers.host.contains_prefix([keys[0]]) == 0  # a turn writes through to disk only
+    assert tiers.warm([old_key, *keys]).result(timeout=30) == 2
+    assert tiers.host.contains_prefix(list(keys)) == 2 and tiers.host.contains_prefix([old_key]) == 0
+    loaded = load_all(tiers, hashes, tokens, 0, first_free=8)
+    for a, b in zip(pages(device, [0, 1, 2, 3]), pages(device, loaded)):
+        assert torch.equal(a, b)
+    assert set(tiers.planner.rates()[0]) == {"host"}  # served from memory...
+    assert tiers.counts["disk"].hits == 2 and tiers.counts["disk"].prefetched == 2  # ...counted for the disk
+    assert tiers.warm(keys).result(timeout=30) == 0  # already there
+    tiers.close()
+
+
 def test_the_disk_tier_outlives_the_process(tmp_path):
     device = make_device()
     tiers = make_tiers(device, tmp_path, host=False)

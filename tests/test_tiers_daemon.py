@@ -104,9 +104,10 @@ def sql(daemon: Daemon, query: str, *args) -> list[tuple]:
         return db.execute(query, args).fetchall()
 
 
-def test_startup_reconciles_the_disk_tier_with_the_chunk_catalog():
+def test_startup_reconciles_the_disk_tier_with_the_chunk_catalog_and_warms_recent_sessions():
     """Orphans on either side go at startup: the chunks of a session deleted while the daemon was down,
-    and a catalog row whose chunk the disk does not hold; the surviving session still resumes from disk."""
+    and a catalog row whose chunk the disk does not hold; the surviving session is copied up to the host
+    tier and resumes from there."""
     with tempfile.TemporaryDirectory(prefix="kvtierd-") as root:
         first = start_daemon(Path(root), env=ENV)
         kept, dropped = new_session(first), new_session(first)
@@ -134,7 +135,16 @@ def test_startup_reconciles_the_disk_tier_with_the_chunk_catalog():
             assert f'kvtierd_disk_orphans_removed_total{{side="values"}} {float(len(only_dropped))}' in metrics
             assert 'kvtierd_disk_orphans_removed_total{side="rows"} 1.0' in metrics
             assert "1 orphan row(s) removed" in second.log_text()
+            # The surviving session was warmed into the host tier at startup: its next turn loads from memory.
+            deadline = time.monotonic() + 30
+            while "warmed into the host tier" not in second.log_text() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert tiers(second)["host"]["entries"] == len(keys_of[kept]), second.log_text()
             reply = turn(second, kept, QUESTIONS[1])
             assert reply["kvtierd"]["cached_tokens_by_tier"]["disk"] >= 0.9 * reply["usage"]["prompt_tokens"]
+            with second.client() as c:
+                loads = [line for line in c.get("/metrics").text.splitlines()
+                         if line.startswith("kvtierd_tier_load_bytes_per_second{")]
+            assert [line.split('"')[1] for line in loads] == ["host"], loads  # counted for the disk, read from RAM
         finally:
             assert second.stop() == 0, second.log_text()

@@ -57,7 +57,7 @@ from kvtierd.storage.geometry import KVGeometry
 from kvtierd.storage.kv_frame import ChunkIdentity, decode_frame
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, spans_of
 from kvtierd.tiers.chunk_writer import ChunkWriter
-from kvtierd.tiers.config import TierConfig
+from kvtierd.tiers.config import TierConfig, resolve_codec
 from kvtierd.tiers.tier_manager import TierManager
 
 RESTORE_TARGET_MS = {"host": 30.0, "disk": 150.0}  # a 2,000-token session on CPU
@@ -141,12 +141,14 @@ class DiskBandwidthFigures:
     raw_write_GB_s: float  # a plain file, sequential, one fsync
     raw_read_cold_GB_s: float
     target_share: float
+    auto_codec: str  # what the default disk codec ("auto") picks for this KV
     rows: list[DiskBandwidthRow]
 
 
 @dataclass(frozen=True, slots=True)
 class CodecRow:
     codec: str
+    dtype: str  # the KV's dtype: the model's, and bfloat16 as a GPU host keeps it
     ratio: float  # payload / encoded
     compress_GB_s: float  # of payload, median
     decompress_GB_s: float
@@ -326,14 +328,15 @@ def run_disk_bandwidth(c: ComputedPrompt, w: TiersWorkload, directory: Path) -> 
     directory.mkdir()
     raw_write_s, raw_read_s = _raw_file(directory / "raw.bin", [kv for _, _, kv in items])
     rows = []
-    for codec in dict.fromkeys((TierConfig().disk_codec, "raw")):  # the tier's codec, and none
+    for codec in ("zstd-planes", "raw"):  # what "auto" picks from, for 16-bit and 32-bit KV
         path = directory / codec
         path.mkdir()
         write_s, cold_s, warm_s, stored, equal = _disk_tier(path, codec, items, max(MIN_MAP_BYTES, 4 * payload))
         rows.append(DiskBandwidthRow(codec, stored, payload / write_s / GB, payload / cold_s / GB,
                                      payload / warm_s / GB, raw_write_s / write_s, raw_read_s / cold_s, equal))
     return DiskBandwidthFigures(str(directory), len(items), payload, payload / raw_write_s / GB,
-                                payload / raw_read_s / GB, TARGET_SHARE_OF_RAW, rows)
+                                payload / raw_read_s / GB, TARGET_SHARE_OF_RAW,
+                                resolve_codec(TierConfig().disk_codec, c.geometry.dtype, "disk"), rows)
 
 
 def _disk_tier(path: Path, codec: str, items: list[tuple[bytes, ChunkIdentity, torch.Tensor]],
@@ -396,14 +399,20 @@ def _raw_file(path: Path, kvs: list[torch.Tensor]) -> tuple[float, float]:
 
 
 def run_codecs(c: ComputedPrompt, w: TiersWorkload) -> CodecFigures:
-    chunks = [_bytes(kv) for _, kv in c.whole_chunks(w.chunk_pages)]
-    itemsize = c.geometry.dtype.itemsize
-    payload = sum(b.nbytes for b in chunks)
-    rows = [_codec_row(name, chunks, itemsize, w.codec_repeats) for name in CODEC_NAMES]
-    return CodecFigures(str(c.geometry.dtype).removeprefix("torch."), len(chunks), payload, rows)
+    """Every codec on the model's KV, and on the same KV in bfloat16 (a GPU host's), when that differs."""
+    kvs = [kv for _, kv in c.whole_chunks(w.chunk_pages)]
+    rows = []
+    for dtype in dict.fromkeys((c.geometry.dtype, torch.bfloat16)):
+        chunks = [_bytes(kv.to(dtype)) for kv in kvs]
+        rows += [_codec_row(name, _dtype_name(dtype), chunks, dtype.itemsize, w.codec_repeats) for name in CODEC_NAMES]
+    return CodecFigures(_dtype_name(c.geometry.dtype), len(kvs), sum(kv.nbytes for kv in kvs), rows)
 
 
-def _codec_row(name: str, chunks: list[memoryview], itemsize: int, repeats: int) -> CodecRow:
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _codec_row(name: str, dtype: str, chunks: list[memoryview], itemsize: int, repeats: int) -> CodecRow:
     codec = get_codec(name)  # the shared one the tiers use, at their level
     payload = sum(b.nbytes for b in chunks)
     # Decoders get views, as decode_frame hands them the payload inside a frame (raw then copies, as a load does).
@@ -412,8 +421,8 @@ def _codec_row(name: str, chunks: list[memoryview], itemsize: int, repeats: int)
     encode_s = median_time(lambda: [codec.encode(b, itemsize) for b in chunks], repeats)
     decode_s = median_time(lambda: [codec.decode(e, itemsize, b.nbytes) for e, b in zip(encoded, chunks, strict=True)],
                            repeats)
-    return CodecRow(name, payload / sum(e.nbytes for e in encoded), payload / encode_s / GB, payload / decode_s / GB,
-                    exact)
+    return CodecRow(name, dtype, payload / sum(e.nbytes for e in encoded), payload / encode_s / GB,
+                    payload / decode_s / GB, exact)
 
 
 # -- working set ---------------------------------------------------------------------------------

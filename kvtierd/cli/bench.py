@@ -453,8 +453,8 @@ def bench_tiers(
     print_table(
         "disk tier (LMDB, per codec) vs a plain file: GB/s of KV payload",
         ["", "write", "read cold", "read warm", "write / raw", "read / raw"],
-        [[row.codec, row.write_GB_s, row.read_cold_GB_s, row.read_warm_GB_s, f"{row.write_share_of_raw:.0%}",
-          f"{row.read_share_of_raw:.0%}"] for row in b.rows]
+        [[row.codec + (" (auto)" if row.codec == b.auto_codec else ""), row.write_GB_s, row.read_cold_GB_s,
+          row.read_warm_GB_s, f"{row.write_share_of_raw:.0%}", f"{row.read_share_of_raw:.0%}"] for row in b.rows]
         + [["plain file", b.raw_write_GB_s, b.raw_read_cold_GB_s, "-", "-", "-"]],
     )
     stored = ", ".join(f"{row.codec} {row.stored_bytes / 1e6:,.0f} MB" for row in b.rows)
@@ -464,9 +464,11 @@ def bench_tiers(
                f"Target: >= {b.target_share:.0%} of raw, cold against cold")
     c = f.codecs
     print_table(
-        f"codecs on {c.chunks} chunks of real KV ({c.dtype}, {c.payload_bytes / 1e6:,.0f} MB; medians)",
-        ["codec", "ratio", "compress GB/s", "decompress GB/s", "exact"],
-        [[row.codec, row.ratio, row.compress_GB_s, row.decompress_GB_s, yes(row.exact)] for row in c.rows],
+        f"codecs on {c.chunks} chunks of real KV ({c.dtype}, {c.payload_bytes / 1e6:,.0f} MB, and cast to "
+        "bfloat16; medians)",
+        ["codec", "KV dtype", "ratio", "compress GB/s", "decompress GB/s", "exact"],
+        [[row.codec, row.dtype, row.ratio, row.compress_GB_s, row.decompress_GB_s, yes(row.exact)]
+         for row in c.rows],
     )
     ws = f.working_set
     typer.echo(

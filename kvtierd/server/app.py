@@ -9,7 +9,7 @@ from aiohttp import web
 
 from kvtierd.server import (admin_routes, chat_routes, metrics_routes, openapi, pin_routes, prefix_routes,
                             session_routes, workload_routes)
-from kvtierd.server.chunk_catalog import reconcile_disk_tier
+from kvtierd.server.chunk_catalog import reconcile_disk_tier, warm_recent_sessions
 from kvtierd.server.metrics_routes import metrics_middleware
 from kvtierd.server.middleware import errors_middleware, peer_middleware
 from kvtierd.server.state import STATE, DaemonState
@@ -34,6 +34,7 @@ async def _engine_lifetime(app: web.Application) -> AsyncIterator[None]:
     await state.engine.start()
     state.reconciliation = await reconcile_disk_tier(state)  # before the pins, which may hold disk chunks
     await pin_routes.restore_pins(state)
+    await warm_recent_sessions(state)
     yield
     await state.engine.stop()
     await asyncio.to_thread(state.engine.engine.close)  # commits queued disk-tier writes

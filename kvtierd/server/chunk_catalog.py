@@ -1,4 +1,5 @@
-"""The SQL chunk catalog: which disk-tier chunks hold each session's KV, and its reconciliation with LMDB.
+"""The SQL chunk catalog: which disk-tier chunks hold each session's KV; its reconciliation with LMDB,
+and the warm-up of recent sessions at startup.
 
 A session turn's chunks are written to LMDB by the disk writer (marked cataloged, in the value's own
 transaction) while the turn itself, with one catalog row per chunk, is written to SQL in one
@@ -12,12 +13,18 @@ startup `reconcile_disk_tier` settles them, before the socket serves:
 Values the disk tier holds for other reasons (evicted prefixes, the shutdown flush) are plain cache,
 left to its LRU. Rows carry the store's name (host name and state directory), so daemons sharing one
 PostgreSQL each settle their own.
+
+Then `warm_recent_sessions` copies the cataloged chunks of the `[tiers] warm_sessions` most recently
+used sessions from disk to the host tier, in the background: their next turns after a restart load
+from memory.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import time
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -62,3 +69,27 @@ async def reconcile_disk_tier(state: DaemonState) -> CatalogReconciliation | Non
              "removed, %d chunk(s) cataloged", result.orphan_values, result.orphan_rows,
              len(cataloged) - len(settled.missing_keys))
     return result
+
+
+async def warm_recent_sessions(state: DaemonState) -> None:
+    """Starts copying the recent sessions' disk chunks to the host tier (see the module's note); returns at
+    once, and logs how many came up when they have."""
+    tiers = state.engine.engine.tiers
+    num_sessions = state.settings.warm_sessions
+    if not num_sessions or tiers is None or tiers.host is None or not tiers.has_disk:
+        return
+    try:
+        keys = await state.db(state.store.recent_session_chunks, state.chunk_store, num_sessions)
+    except SessionStoreError as e:
+        log.warning("recent sessions not warmed into the host tier: %s", e)
+        return
+    if not keys:
+        return
+    t0 = time.monotonic()
+
+    def report(done: Future) -> None:
+        if done.exception() is None:
+            log.info("%d chunk(s) of recent sessions warmed into the host tier in %.2f s", done.result(),
+                     time.monotonic() - t0)
+
+    tiers.warm(keys).add_done_callback(report)

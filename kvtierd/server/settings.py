@@ -20,8 +20,7 @@ from kvtierd.cache.eviction import EVICTION_POLICIES
 from kvtierd.engine.config import QOS_CLASSES
 from kvtierd.server.paths import default_socket_path, default_state_dir
 from kvtierd.server.truncation import TRUNCATION_POLICIES
-from kvtierd.storage.codecs import CODEC_NAMES
-from kvtierd.tiers.config import DISK_ADMISSIONS, REMOTE_ADMISSIONS
+from kvtierd.tiers.config import DISK_ADMISSIONS, REMOTE_ADMISSIONS, TIER_CODECS
 
 
 class SettingsError(ValueError):
@@ -214,12 +213,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("disk_bytes", "tiers", "disk_bytes", 16 << 30, parse_bytes,
             "disk tier: LMDB map size under <state_dir>/kv; the file grows as it fills (0: off)"),
     Setting("chunk_pages", "tiers", "chunk_pages", 16, int_between(1, 1024), "KV pages per chunk stored below the device"),
-    Setting("disk_codec", "tiers", "disk_codec", "zstd-planes", one_of(*CODEC_NAMES),
-            "codec of disk chunks: raw, zstd or zstd-planes (zstd over byte planes)"),
+    Setting("disk_codec", "tiers", "disk_codec", "auto", one_of(*TIER_CODECS),
+            "codec of disk and remote chunks: raw, zstd, zstd-planes (zstd over byte planes) or auto (disk: raw "
+            "for 32-bit KV, zstd-planes for 16-bit; remote: zstd-planes)"),
     Setting("disk_admission", "tiers", "disk_admission", "reused", one_of(*DISK_ADMISSIONS),
             "evicted chunks also written to disk: reused (hit at least once) or all; sessions' turns always are"),
     Setting("flush_on_shutdown", "tiers", "flush_on_shutdown", True, parse_bool,
             "on SIGTERM, write the device's session pages and reused prefixes to disk for the next start"),
+    Setting("warm_sessions", "tiers", "warm_sessions", 8, int_between(0, 1_000_000),
+            "at startup, copy the disk chunks of this many most recently used sessions to the host tier (0: none)"),
     Setting("remote_url", "remote", "url", None, parse_optional_str,
             "the fleet's shared KV tier: redis://, rediss://, unix://, redis+sentinel://HOST:PORT/SERVICE or "
             "redis+cluster:// (empty: none)"),
@@ -295,6 +297,7 @@ class Settings:
     disk_codec: str
     disk_admission: str
     flush_on_shutdown: bool
+    warm_sessions: int
     remote_url: str | None
     remote_fleet: str
     remote_secret_file: str | None

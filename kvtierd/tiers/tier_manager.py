@@ -41,18 +41,19 @@ import numpy as np
 import torch
 import xxhash
 
+from kvtierd.storage.codecs import Buffer
 from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.host_store import HostStore
 from kvtierd.storage.host_store import ALIGN
-from kvtierd.storage.kv_frame import (ChunkIdentity, check_frame_head, decode_frame, encode_frame, frame_head,
-                                      frame_nbytes)
+from kvtierd.storage.kv_frame import (ChunkIdentity, check_frame_head, claimed_identity, decode_frame,
+                                      encode_frame, frame_head, frame_nbytes)
 from kvtierd.storage.redis_keyspace import RedisKeyspace
 from kvtierd.storage.redis_store import RedisStore
 from kvtierd.storage.store_errors import CorruptValueError, StoreUnavailableError
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, FoundChunk
 from kvtierd.tiers.chunk_writer import ChunkWriter
-from kvtierd.tiers.config import TierConfig
+from kvtierd.tiers.config import TierConfig, resolve_codec
 from kvtierd.tiers.epoch import Epoch
 from kvtierd.tiers.fleet_epoch import FleetEpoch
 from kvtierd.tiers.page_copy import PageCopier
@@ -119,6 +120,7 @@ class TierManager:
         self.config = config
         self.chunk_pages = config.chunk_pages
         self._geometry = device.geometry
+        self.disk_codec = resolve_codec(config.disk_codec, self._geometry.dtype, "disk")
         self._pages = PageCopier(device)
         self.host: HostStore | None = None
         self.host_reason: str | None = None
@@ -138,7 +140,7 @@ class TierManager:
         else:
             try:
                 self.disk = DiskStore(config.disk_path, map_size=config.disk_bytes)
-                self._writer = ChunkWriter("disk", self.disk, config.disk_codec, config.max_pending_disk_bytes)
+                self._writer = ChunkWriter("disk", self.disk, self.disk_codec, config.max_pending_disk_bytes)
             except StoreUnavailableError as e:
                 self.disk_reason = str(e)
                 log.warning("serving without the disk KV tier: %s", e)
@@ -151,7 +153,8 @@ class TierManager:
             keyspace = RedisKeyspace(r.fleet, model_fingerprint, self._geometry, config.chunk_pages)
             self.remote = RedisStore(r.url, keyspace, r.secret, ttl_s=r.ttl_s, connect_timeout_ms=r.connect_timeout_ms,
                                      op_timeout_ms=r.op_timeout_ms)
-            self._remote_writer = ChunkWriter("remote", self.remote, r.codec, config.max_pending_disk_bytes)
+            self._remote_writer = ChunkWriter("remote", self.remote, resolve_codec(r.codec, self._geometry.dtype, "remote"),
+                                              config.max_pending_disk_bytes)
             self._fleet_epoch = FleetEpoch(self.remote)
         self.counts = {"host": TierCounts(), "disk": TierCounts(), "remote": TierCounts()}
         self.planner = RestorePlanner()
@@ -298,8 +301,7 @@ class TierManager:
             log.warning("a %s-tier KV chunk failed its %s check: dropped, recomputed instead", tier, e.check)
             (self._writer if tier == "disk" else self._remote_writer).quarantine(key, str(e))
             return None
-        payload = memoryview(chunk.payload)
-        return memoryview(bytearray(payload)) if payload.readonly else payload  # torch needs a writable buffer
+        return _writable(chunk.payload)
 
     # -- prefetching ---------------------------------------------------------------------------
 
@@ -316,6 +318,8 @@ class TierManager:
                 if found.tier == "host":
                     continue
                 host_key = self.epoch.key(found.span.last_hash)
+                if self.host.contains_prefix([host_key]):
+                    continue  # found below only because an earlier chunk of the run is not in memory
                 done: Future = Future()
                 with self._prefetch_lock:
                     if host_key in self._prefetching:
@@ -328,19 +332,69 @@ class TierManager:
                         break  # the chain stops here: what follows is unreachable anyway
                     self._put_host(host_key, found.span.identity(self._geometry),
                                    lambda out, payload=chunk: _copy_bytes(out, payload))
-                    self.counts[found.tier].prefetched += 1
+                    self._note_prefetched(host_key, found.tier)
                     if found.tier == "remote":
                         self._fleet_epoch.remember(key)  # the fleet has it: no need to send it back
-                    with self._prefetch_lock:
-                        self._prefetched_from[host_key] = found.tier
-                        while len(self._prefetched_from) > MAX_PREFETCHED_ORIGINS:  # prefetched for requests
-                            self._prefetched_from.popitem(last=False)  # that never loaded them
                 finally:
                     with self._prefetch_lock:
                         del self._prefetching[host_key]
                     done.set_result(None)
         except Exception:  # the executor would swallow it; a failed prefetch only costs a slower load
             log.exception("prefetching KV chunks to the host tier failed")
+
+    def warm(self, keys: Sequence[bytes]) -> Future:
+        """Copies these disk chunks up to the host tier, in order, at most as many as it has slots for (the
+        last ones given are the most recent in its LRU): the chunks of recently active sessions, so their next
+        turns start from memory. One chunk at a time on the prefetch thread, so a request's prefetch never
+        waits behind the whole list. The future is done when the last one is."""
+        done: Future = Future()
+        if self.host is None or not self.has_disk:
+            done.set_result(0)
+            return done
+        todo = list(keys)[-self.host.num_slots :]
+
+        def step(i: int, warmed: int) -> None:
+            try:
+                while i < len(todo) and self.host.contains_prefix([todo[i]]):
+                    i += 1
+                if i == len(todo):
+                    done.set_result(warmed)
+                    return
+                warmed += self._warm_one(todo[i])
+                self._prefetcher.submit(step, i + 1, warmed)
+            except Exception as e:  # the executor would swallow it; a failed warm-up only costs slower loads
+                log.exception("warming the host tier from disk failed")
+                done.set_exception(e)
+
+        self._prefetcher.submit(step, 0, 0)
+        return done
+
+    def _warm_one(self, key: bytes) -> int:
+        """One disk chunk into the host tier, its frame checked against its key; 1 if it was copied."""
+        value = self._writer.call(lambda: self.disk.get_many([key])[0], None)
+        if value is None:
+            return 0
+        try:
+            identity = claimed_identity(value, self._geometry)
+            if self.epoch.key(identity.block_hashes[-1]) != key:
+                return 0  # an earlier epoch's value, or another chain's: not what the key names now
+            payload = _writable(decode_frame(value, identity).payload)
+        except CorruptValueError as e:
+            self.counts["disk"].corrupt += 1
+            log.warning("a disk-tier KV chunk failed its %s check: dropped", e.check)
+            self._writer.quarantine(key, str(e))
+            return 0
+        self._put_host(key, identity, lambda out: _copy_bytes(out, payload))
+        self._note_prefetched(key, "disk")
+        return 1
+
+    def _note_prefetched(self, host_key: bytes, tier: str) -> None:
+        """A chunk copied up to the host tier ahead of its request: a load of it counts for `tier`."""
+        self.counts[tier].prefetched += 1
+        with self._prefetch_lock:
+            self._prefetched_from[host_key] = tier
+            while len(self._prefetched_from) > MAX_PREFETCHED_ORIGINS:  # prefetched for requests
+                self._prefetched_from.popitem(last=False)  # that never loaded them
 
     def _await_prefetch(self, host_key: bytes) -> None:
         """Waits for a prefetch of this chunk that is under way: its copy is nearly done, a second read is not."""
@@ -457,7 +511,7 @@ class TierManager:
             if tier == "host":
                 self._put_host(key, identity, lambda out, ids=c.block_ids: self._pages.gather_into(out, ids))
             else:  # on this thread, not the writer's: the pin must find the value committed
-                frame = encode_frame(identity, _bytes(self._pages.gather(c.block_ids)), codec=self.config.disk_codec)
+                frame = encode_frame(identity, _bytes(self._pages.gather(c.block_ids)), codec=self.disk_codec)
                 self._writer.call(lambda: self.disk.put_many([(key, frame)]), False)
         if store.pin(keys) != len(keys):  # a write failed, or another chunk's write evicted one
             store.unpin(keys)
@@ -642,6 +696,12 @@ class TierManager:
 def _bytes(kv: torch.Tensor) -> memoryview:
     """The raw bytes of a contiguous CPU tensor, without a copy."""
     return memoryview(kv.reshape(-1).view(torch.uint8).numpy())
+
+
+def _writable(payload: Buffer) -> memoryview:
+    """torch.frombuffer needs a writable buffer: a read-only one (a raw codec's view) is copied."""
+    view = memoryview(payload)
+    return memoryview(bytearray(view)) if view.readonly else view
 
 
 def _copy_bytes(out: torch.Tensor, payload: memoryview) -> None:
