@@ -32,7 +32,8 @@ from kvtierd.model.detokenizer import IncrementalDetokenizer
 from kvtierd.model.loader import LoadedModel
 from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.geometry import KVGeometry
-from kvtierd.tiers.tier_manager import TierManager, TierStats
+from kvtierd.tiers.tier_manager import TierManager
+from kvtierd.tiers.tier_stats import TierStats
 
 log = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from kvtierd.server.chunk_catalog import CatalogReconciliation
 from kvtierd.server.errors import ApiError
 from kvtierd.server.session_routes import query_limit, drop_session_kv, message_json, session_json
 from kvtierd.server.state import STATE, DaemonState
-from kvtierd.tiers.tier_manager import TierStats
+from kvtierd.tiers.tier_stats import TierStats
 
 routes = web.RouteTableDef()
 

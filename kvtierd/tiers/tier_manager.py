@@ -58,6 +58,7 @@ from kvtierd.tiers.epoch import Epoch
 from kvtierd.tiers.fleet_epoch import FleetEpoch
 from kvtierd.tiers.page_copy import PageCopier
 from kvtierd.tiers.restore_planner import RestorePlanner
+from kvtierd.tiers.tier_stats import Reconciliation, TierCounts, TierStats, host_stats, off_stats, writer_stats
 
 log = logging.getLogger(__name__)
 
@@ -76,43 +77,6 @@ class TierPin:
     nbytes: int  # their KV bytes: what counts against the tier's pin budget
 MAX_PREFETCHED_ORIGINS = 4096  # host keys whose origin tier is remembered until a load uses them
 MAX_HASH_BYTES = 32  # the longest block hash (sha256): host slots fit a chunk of any hash function
-
-
-@dataclass(frozen=True, slots=True)
-class Reconciliation:
-    """What settling the disk tier against the SQL chunk catalog found (at startup)."""
-
-    orphan_values: int  # values a session's turn wrote that no catalog row names any more: deleted
-    missing_keys: tuple[bytes, ...]  # cataloged keys the disk does not hold (evicted, bad, never committed)
-
-
-@dataclass(slots=True)
-class TierCounts:
-    hits: int = 0  # chunks loaded into the device
-    hit_tokens: int = 0  # prompt tokens those loads served
-    writes: int = 0  # chunks stored (the host's; the disk writer counts its own)
-    corrupt: int = 0  # values that failed their checks (never served)
-    prefetched: int = 0  # chunks of this tier copied up to the host tier ahead of their request
-
-
-@dataclass(frozen=True, slots=True)
-class TierStats:
-    name: str  # "host", "disk" or "remote"
-    enabled: bool  # the store is there (not turned off, and it opened)
-    healthy: bool
-    reason: str | None  # why it is off or unhealthy
-    capacity_bytes: int
-    used_bytes: int
-    entries: int
-    hits: int
-    hit_tokens: int
-    writes: int
-    pending_writes: int  # disk, remote: chunks copied out, not yet stored
-    dropped_writes: int  # disk, remote: chunks not written (queue full or store failed)
-    evictions: int  # values the store dropped for room
-    corrupt: int
-    pinned: bool  # host: page-locked memory
-    prefetched: int = 0  # disk, remote: chunks copied up to the host tier ahead of their request
 
 
 class TierManager:
@@ -611,35 +575,17 @@ class TierManager:
             self.host.close()
 
     def stats(self) -> list[TierStats]:
-        return [self._host_stats(), self._disk_stats()] + ([self._remote_stats()] if self.remote is not None else [])
-
-    def _host_stats(self) -> TierStats:
-        c = self.counts["host"]
-        if self.host is None:
-            return _off("host", self.host_reason, c)
-        s = self.host.stats()
-        return TierStats("host", True, s.healthy, s.reason, s.capacity_bytes, s.bytes_used, s.num_entries,
-                         c.hits, c.hit_tokens, c.writes, 0, 0, s.num_evictions, c.corrupt, s.pinned)
-
-    def _disk_stats(self) -> TierStats:
-        c = self.counts["disk"]
-        if self.disk is None or self._writer is None:
-            return _off("disk", self.disk_reason, c)
-        w = self._writer
-        s = self.disk.stats()
-        healthy = s.healthy and w.failure is None
-        return TierStats("disk", True, healthy, w.failure or s.reason, s.capacity_bytes, s.bytes_used, s.num_entries,
-                         c.hits, c.hit_tokens, w.num_written, w.num_pending, w.num_dropped, s.num_evictions,
-                         s.num_corrupt, False, c.prefetched)
-
-    def _remote_stats(self) -> TierStats:
-        c, w = self.counts["remote"], self._remote_writer
-        s = self.remote.stats()
-        healthy = s.healthy and self._fleet_epoch.value is not None
-        reason = s.reason or (None if healthy else "the fleet's epoch could not be read yet")
-        return TierStats("remote", True, healthy, reason, s.capacity_bytes, s.bytes_used, s.num_entries, c.hits,
-                         c.hit_tokens, w.num_written, w.num_pending, w.num_dropped, s.num_evictions, s.num_corrupt,
-                         False, c.prefetched)
+        counts = self.counts
+        host = host_stats(self.host, counts["host"]) if self.host is not None else \
+            off_stats("host", self.host_reason, counts["host"])
+        disk = writer_stats("disk", self.disk.stats(), self._writer, counts["disk"]) if self._writer is not None \
+            else off_stats("disk", self.disk_reason, counts["disk"])
+        if self.remote is None:
+            return [host, disk]
+        epoch_known = self._fleet_epoch.value is not None
+        remote = writer_stats("remote", self.remote.stats(), self._remote_writer, counts["remote"],
+                              None if epoch_known else "the fleet's epoch could not be read yet")
+        return [host, disk, remote]
 
     # -- internals -----------------------------------------------------------------------------
 
@@ -706,7 +652,3 @@ def _writable(payload: Buffer) -> memoryview:
 
 def _copy_bytes(out: torch.Tensor, payload: memoryview) -> None:
     out.view(-1).view(torch.uint8).copy_(torch.frombuffer(payload, dtype=torch.uint8))
-
-
-def _off(name: str, reason: str | None, c: TierCounts) -> TierStats:
-    return TierStats(name, False, False, reason, 0, 0, 0, c.hits, c.hit_tokens, c.writes, 0, 0, 0, c.corrupt, False)
