@@ -48,10 +48,12 @@ class RawCodec:
     def encode(self, data: Buffer, itemsize: int) -> bytes:
         return bytes(data)
 
-    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> bytes:
-        if len(data) != nbytes:
-            raise CorruptValueError("payload", f"raw payload has {len(data)} bytes, expected {nbytes}")
-        return bytes(data)
+    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> memoryview:
+        """A view of `data` itself: the caller copies what it keeps (a load copies it into the device)."""
+        view = memoryview(data)
+        if view.nbytes != nbytes:
+            raise CorruptValueError("payload", f"raw payload has {view.nbytes} bytes, expected {nbytes}")
+        return view
 
 
 class ZstdCodec:

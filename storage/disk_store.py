@@ -146,11 +146,13 @@ class DiskStore:
                     return n
             return len(keys)
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes]) -> list[bytearray | None]:
+        """The values, copied out of the map inside the read transaction into writable buffers (a load
+        decodes or copies straight from them into the device)."""
         self._check_keys(keys)
-        # buffers=False: each value is copied out inside the transaction, never a view of the map.
-        with self._guard(), self._env.begin(buffers=False) as txn:
-            values = [txn.get(key, db=self._values) for key in keys]
+        # buffers=True: views of the map, valid until the transaction ends; each is copied once, here.
+        with self._guard(), self._env.begin(buffers=True) as txn:
+            values = [None if (view := txn.get(key, db=self._values)) is None else bytearray(view) for key in keys]
         with self._lock:
             self._num_gets += len(keys)
             for key, value in zip(keys, values, strict=True):

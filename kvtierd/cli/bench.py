@@ -466,7 +466,7 @@ def bench_tiers(
     print_table(
         f"codecs on {c.chunks} chunks of real KV ({c.dtype}, {c.payload_bytes / 1e6:,.0f} MB, and cast to "
         "bfloat16; medians)",
-        ["codec", "KV dtype", "ratio", "compress GB/s", "decompress GB/s", "exact"],
+        ["codec", "KV dtype", "ratio", "compress GB/s", "decode into place GB/s", "exact"],
         [[row.codec, row.dtype, row.ratio, row.compress_GB_s, row.decompress_GB_s, yes(row.exact)]
          for row in c.rows],
     )

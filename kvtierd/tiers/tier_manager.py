@@ -645,7 +645,8 @@ def _bytes(kv: torch.Tensor) -> memoryview:
 
 
 def _writable(payload: Buffer) -> memoryview:
-    """torch.frombuffer needs a writable buffer: a read-only one (a raw codec's view) is copied."""
+    """torch.frombuffer needs a writable buffer: a read-only one (a zstd payload, a remote value) is copied.
+    A disk value is a bytearray already, and the raw codec decodes it to a view of itself."""
     view = memoryview(payload)
     return memoryview(bytearray(view)) if view.readonly else view
 
