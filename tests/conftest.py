@@ -13,6 +13,16 @@ from pathlib import Path
 
 import pytest
 
+# The daemons the tests start share one converted-model cache: the first converts the GGUF, the rest map
+# it (each daemon's own state dir is new, so its default cache would be empty every time).
+MODEL_CACHE_DIR = tempfile.mkdtemp(prefix="kvtierd-model-cache-")
+os.environ.setdefault("KVTIERD_MODEL_CACHE_DIR", MODEL_CACHE_DIR)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    shutil.rmtree(MODEL_CACHE_DIR, ignore_errors=True)
+
+
 PG_BIN = Path(os.environ.get("KVTIERD_PG_BIN", "/usr/lib/postgresql/15/bin"))
 # initdb refuses to run as root, so root runs the cluster as this user (created if missing).
 PG_OS_USER_CANDIDATES = ("nobody", "kvtierd-test")

@@ -81,6 +81,7 @@ SAMPLES: dict[str, tuple[tuple[Any, Any], tuple[str, Any], tuple[Any, Any]]] = {
                        ("bob=NORMAL", {"bob": "normal"})),
     "tenant_max_classes": (("batch=low", {"batch": "low"}), ("a=normal,b=high", {"a": "normal", "b": "high"}),
                            ("", {})),
+    "model_cache_dir": (("/tmp/mc", Path("/tmp/mc")), ("off", None), ("/var/cache/kvtierd", Path("/var/cache/kvtierd"))),
     "store_url": (("sqlite:////tmp/a.db", "sqlite:////tmp/a.db"), ("sqlite:////tmp/b.db", "sqlite:////tmp/b.db"),
                   ("postgresql+psycopg://kv@/kvtierd", "postgresql+psycopg://kv@/kvtierd")),
 }
@@ -131,6 +132,7 @@ def test_defaults():
     assert (s.host_bytes, s.disk_bytes, s.chunk_pages) == (2 << 30, 16 << 30, 16)
     assert (s.disk_codec, s.disk_admission, s.flush_on_shutdown) == ("auto", "reused", True)
     assert s.store_url == f"sqlite:///{s.state_dir}/kvtierd.sqlite3"
+    assert (s.model_cache_dir, s.warm_sessions) == (s.state_dir / "model-cache", 8)
 
 
 @pytest.mark.parametrize("name", list(SAMPLES))

@@ -14,6 +14,7 @@ from kvtierd.model.fingerprint import digest_files, model_fingerprint
 from kvtierd.model.gguf_loader import load_gguf_weights, open_gguf, read_gguf_config
 from kvtierd.model.hf_loader import load_hf_weights, read_hf_config
 from kvtierd.model.llama import LlamaModel
+from kvtierd.model.model_cache import ModelCache
 from kvtierd.model.tokenizer import ChatTokenizer
 
 
@@ -34,8 +35,10 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32
 
 
-def load_model(source: str | Path | None = None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> LoadedModel:
-    """Loads `source`: None for the bundled SmolLM2, a `.gguf` file, or a Hugging Face directory."""
+def load_model(source: str | Path | None = None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               cache_dir: Path | None = None) -> LoadedModel:
+    """Loads `source`: None for the bundled SmolLM2, a `.gguf` file, or a Hugging Face directory. With
+    `cache_dir`, a GGUF's conversion is kept there and later loads map it (`model_cache.py`)."""
     device = torch.device(device)
     dtype = dtype or default_dtype(device)
     path = bundled_gguf_path() if source is None else Path(source).expanduser()
@@ -43,12 +46,22 @@ def load_model(source: str | Path | None = None, device: str | torch.device = "c
         config = read_hf_config(path)
         weights, files = load_hf_weights(path, config, dtype, device)
         tokenizer = ChatTokenizer.from_hf_dir(path)
+        digest = digest_files(files)
     elif path.suffix == ".gguf" or path.is_file():
-        reader = open_gguf(path)
-        config = read_gguf_config(reader)
-        weights = load_gguf_weights(reader, config, dtype, device)
-        tokenizer = ChatTokenizer.from_gguf(path, reader=reader)
-        files = [path]
+        if not path.is_file():
+            raise ModelLoadError(f"model file not found: {path}")
+        digest = digest_files([path])
+        cache = ModelCache(cache_dir) if cache_dir is not None else None
+        cached = cache.get(digest, dtype, device) if cache is not None else None
+        if cached is not None:
+            config, weights, tokenizer = cached
+        else:
+            reader = open_gguf(path)
+            config = read_gguf_config(reader)
+            weights = load_gguf_weights(reader, config, dtype, device)
+            tokenizer = ChatTokenizer.from_gguf(path, reader=reader)
+            if cache is not None:
+                cache.put(digest, dtype, config, weights, tokenizer)
     else:
         raise ModelLoadError(f"model not found: {path} (give a .gguf file or a Hugging Face model directory)")
     return LoadedModel(
@@ -57,5 +70,5 @@ def load_model(source: str | Path | None = None, device: str | torch.device = "c
         config=config,
         model=LlamaModel(config, weights, device, dtype),
         tokenizer=tokenizer,
-        fingerprint=model_fingerprint(digest_files(files), config, dtype),
+        fingerprint=model_fingerprint(digest, config, dtype),
     )

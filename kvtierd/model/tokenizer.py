@@ -185,6 +185,21 @@ class ChatTokenizer:
             add_bos=bool(field("tokenizer.ggml.add_bos_token", False)),
         )
 
+    def state(self) -> dict[str, Any]:
+        """What `from_state` needs to build this tokenizer again (JSON-serializable)."""
+        return {"tokenizer": self._tokenizer.to_str(), "chat_template": self.chat_template,
+                "bos_token_id": self.bos_token_id, "eos_token_id": self.eos_token_id,
+                "eos_token_ids": sorted(self.eos_token_ids), "add_bos": self.add_bos}
+
+    @classmethod
+    def from_state(cls, state: dict[str, Any]) -> ChatTokenizer:
+        eos = state["eos_token_id"]
+        ends = ([] if eos is None else [eos]) + [i for i in state["eos_token_ids"] if i != eos]
+        tokenizer = cls(Tokenizer.from_str(state["tokenizer"]), chat_template=state["chat_template"],
+                        bos_token_id=state["bos_token_id"], eos_token_ids=ends, add_bos=state["add_bos"])
+        tokenizer.eos_token_id = eos  # the model's own eos (maybe none): the first of `ends` only when there is one
+        return tokenizer
+
     @classmethod
     def from_hf_dir(cls, path: str | Path) -> ChatTokenizer:
         """Loads `tokenizer.json` and the chat template and special tokens around it."""

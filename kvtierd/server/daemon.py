@@ -48,7 +48,7 @@ def resolve_device(device: str) -> str:
 
 def build_state(settings: Settings) -> DaemonState:
     settings.state_dir.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(settings.model, resolve_device(settings.device))
+    loaded = load_model(settings.model, resolve_device(settings.device), cache_dir=settings.model_cache_dir)
     engine = LLMEngine(loaded, EngineConfig(
         block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,

@@ -183,6 +183,8 @@ SETTINGS: tuple[Setting, ...] = (
             "state directory: SQLite store, LMDB (default: $STATE_DIRECTORY, else $XDG_STATE_HOME/kvtierd)"),
     Setting("model", "model", "path", None, parse_optional_str, "a .gguf file or a Hugging Face directory (default: bundled SmolLM2-135M-Instruct)"),
     Setting("device", "model", "device", "auto", parse_device, "auto, cpu, cuda or cuda:N"),
+    Setting("model_cache_dir", "model", "cache_dir", None, parse_optional_str,
+            "where a GGUF model's conversion is kept for fast restarts (default: <state_dir>/model-cache; off: none)"),
     Setting("block_size", "cache", "block_size", 16, int_between(1, 256), "tokens per KV page (1 to 256)"),
     Setting("kv_cache_bytes", "cache", "kv_cache_bytes", 1 << 30, parse_bytes, "device KV pool size"),
     Setting("eviction_policy", "cache", "eviction_policy", "lru", one_of(*EVICTION_POLICIES),
@@ -275,6 +277,7 @@ class Settings:
     log_level: str
     state_dir: Path
     model: str | None
+    model_cache_dir: Path | None
     device: str
     block_size: int
     kv_cache_bytes: int
@@ -369,4 +372,7 @@ def load_settings(
     values["state_dir"] = state_dir
     values["socket"] = Path(values["socket"]).expanduser() if values["socket"] else default_socket_path(env)
     values["store_url"] = values["store_url"] or f"sqlite:///{state_dir / 'kvtierd.sqlite3'}"
+    cache_dir = values["model_cache_dir"]
+    values["model_cache_dir"] = None if cache_dir == "off" else \
+        Path(cache_dir).expanduser() if cache_dir else state_dir / "model-cache"
     return Settings(**{f.name: values[f.name] for f in fields(Settings)})
