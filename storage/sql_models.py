@@ -110,7 +110,7 @@ class PinRow(Base):
 class SessionChunkRow(Base):
     """A disk-tier chunk that holds part of a session's KV: the catalog the startup reconciles with LMDB.
 
-    `store` names the disk store (host name and state directory), so daemons sharing one database each
+    `store` names the disk store (host name and an id kept beside it), so daemons sharing one database each
     reconcile their own rows; the row goes with its session (ON DELETE CASCADE)."""
 
     __tablename__ = "session_chunks"

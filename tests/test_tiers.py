@@ -15,6 +15,7 @@ from kvtierd.storage.geometry import KVGeometry
 from kvtierd.tiers.chunk import ChunkCopy, spans_of
 from kvtierd.tiers.config import TierConfig
 from kvtierd.tiers.page_copy import page_runs
+from kvtierd.tiers.store_name import disk_store_name
 from kvtierd.tiers.tier_manager import TierManager, TierPinError
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float16)
@@ -367,3 +368,15 @@ def test_page_runs_are_consecutive_ids_in_order():
     assert page_runs([4, 5, 6, 9, 10, 2]) == [(0, 4, 3), (3, 9, 2), (5, 2, 1)]
     assert page_runs([]) == [] and page_runs([7]) == [(0, 7, 1)]
     assert page_runs([3, 2, 1]) == [(0, 3, 1), (1, 2, 1), (2, 1, 1)]  # a run goes up, one id at a time
+
+
+def test_a_disk_store_keeps_its_own_name_in_the_catalog(tmp_path):
+    first, second = tmp_path / "a", tmp_path / "b"
+    first.mkdir()
+    second.mkdir()
+    name = disk_store_name(first)
+    assert name is not None and name == disk_store_name(first)  # kept beside the store
+    assert disk_store_name(second) not in (None, name)  # another store, even on the same host
+    (second / "store_id").unlink()
+    (second / "store_id").mkdir()  # unreadable as an id (as root, a permission error cannot be staged)
+    assert disk_store_name(second) is None

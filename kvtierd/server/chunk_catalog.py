@@ -11,7 +11,7 @@ startup `reconcile_disk_tier` settles them, before the socket serves:
     row naming a key LMDB does not hold           -> the row is deleted (an orphan row)
 
 Values the disk tier holds for other reasons (evicted prefixes, the shutdown flush) are plain cache,
-left to its LRU. Rows carry the store's name (host name and state directory), so daemons sharing one
+left to its LRU. Rows carry the store's name (`tiers/store_name.py`), so daemons sharing one
 PostgreSQL each settle their own.
 
 Then `warm_recent_sessions` copies the cataloged chunks of the `[tiers] warm_sessions` most recently
@@ -22,13 +22,11 @@ from memory.
 from __future__ import annotations
 
 import logging
-import socket
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvtierd.server.settings import Settings
 from kvtierd.storage.store_errors import SessionStoreError
 
 if TYPE_CHECKING:  # the state holds this module's result
@@ -43,18 +41,12 @@ class CatalogReconciliation:
     orphan_rows: int  # catalog rows whose value LMDB did not hold: deleted
 
 
-def chunk_store_name(settings: Settings) -> str:
-    """The disk store's name in the catalog: this host's name and the state directory it lives in."""
-    return f"{socket.gethostname()}:{settings.state_dir.resolve()}"
-
-
 async def reconcile_disk_tier(state: DaemonState) -> CatalogReconciliation | None:
     """Removes the orphans on either side (see the module's note); None when there is no disk tier or the
     session database cannot be read now (then nothing is removed)."""
-    tiers = state.engine.engine.tiers
-    if tiers is None or not tiers.has_disk:
+    tiers, name = state.engine.engine.tiers, state.chunk_store
+    if name is None:
         return None
-    name = state.chunk_store
     try:
         cataloged = await state.db(state.store.cataloged_chunks, name)
         settled = await state.db(tiers.reconcile, cataloged)
@@ -74,9 +66,8 @@ async def reconcile_disk_tier(state: DaemonState) -> CatalogReconciliation | Non
 async def warm_recent_sessions(state: DaemonState) -> None:
     """Starts copying the recent sessions' disk chunks to the host tier (see the module's note); returns at
     once, and logs how many came up when they have."""
-    tiers = state.engine.engine.tiers
-    num_sessions = state.settings.warm_sessions
-    if not num_sessions or tiers is None or tiers.host is None or not tiers.has_disk:
+    tiers, num_sessions = state.engine.engine.tiers, state.settings.warm_sessions
+    if not num_sessions or state.chunk_store is None or tiers.host is None:
         return
     try:
         keys = await state.db(state.store.recent_session_chunks, state.chunk_store, num_sessions)

@@ -118,11 +118,12 @@ async def record_turn(state: DaemonState, tenant: str, turn: Turn, result: Gener
     if turn.session_id is None:
         return
     status = "complete" if result.finish_reason is not None else "interrupted"
+    chunk_store = state.chunk_store  # None without a disk tier: nothing to catalog
     write = state.db(
         state.store.append_turn, tenant, turn.session_id, turn.user_content or "", result.text,
         status=status, prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens,
         token_count=result.prompt_tokens + result.completion_tokens,
         supersede_from=turn.supersede_from, earlier=turn.earlier,
-        chunk_store=state.chunk_store, chunk_keys=result.stored_chunks,
+        chunk_store=chunk_store or "", chunk_keys=result.stored_chunks if chunk_store else (),
     )
     await asyncio.shield(write)

@@ -10,7 +10,7 @@ from typing import Any, Callable, TypeVar
 from aiohttp import web
 
 from kvtierd.engine.async_engine import AsyncEngine
-from kvtierd.server.chunk_catalog import CatalogReconciliation, chunk_store_name
+from kvtierd.server.chunk_catalog import CatalogReconciliation
 from kvtierd.model.loader import LoadedModel
 from kvtierd.server.metrics import ServerMetrics
 from kvtierd.server.settings import Settings
@@ -43,10 +43,12 @@ class DaemonState:
     # (tenant, session id) -> messages its prompt leaves out since it outgrew the window
     truncation_cuts: dict[tuple[str, str], int] = field(default_factory=dict)
     reconciliation: CatalogReconciliation | None = None  # the disk tier against the chunk catalog, at startup
-    chunk_store: str = field(init=False)  # the disk tier's name in the chunk catalog
 
-    def __post_init__(self) -> None:
-        self.chunk_store = chunk_store_name(self.settings)
+    @property
+    def chunk_store(self) -> str | None:
+        """The disk tier's name in the SQL chunk catalog; None: no catalog (no disk tier)."""
+        tiers = self.engine.engine.tiers
+        return tiers.store_name if tiers is not None and tiers.has_disk else None
 
     @property
     def model_id(self) -> str:

@@ -58,6 +58,7 @@ from kvtierd.tiers.epoch import Epoch
 from kvtierd.tiers.fleet_epoch import FleetEpoch
 from kvtierd.tiers.page_copy import PageCopier
 from kvtierd.tiers.restore_planner import RestorePlanner
+from kvtierd.tiers.store_name import disk_store_name
 from kvtierd.tiers.tier_stats import Reconciliation, TierCounts, TierStats, host_stats, off_stats, writer_stats
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,8 @@ class TierManager:
                 self.disk_reason = str(e)
                 log.warning("serving without the disk KV tier: %s", e)
         self.epoch = Epoch(config.disk_path if self.disk is not None else None)
+        # The disk store's name in the SQL chunk catalog (None: no disk, or its id cannot be kept).
+        self.store_name = disk_store_name(config.disk_path) if self.disk is not None else None
         self.remote: RedisStore | None = None
         self._remote_writer: ChunkWriter | None = None
         self._fleet_epoch: FleetEpoch | None = None

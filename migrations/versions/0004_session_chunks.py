@@ -22,7 +22,7 @@ def upgrade() -> None:
     op.create_table(
         "session_chunks",
         sa.Column("session_id", sa.Text(), nullable=False),
-        sa.Column("store", sa.Text(), nullable=False),  # the disk store holding it: host name and state dir
+        sa.Column("store", sa.Text(), nullable=False),  # the disk store holding it: host name and store id
         sa.Column("chunk_key", sa.LargeBinary(), nullable=False),
         sa.Column("created_at", sa.DateTime(timezone=True), nullable=False),
         sa.ForeignKeyConstraint(["session_id"], ["sessions.id"], name="fk_session_chunks_session_id_sessions",
