@@ -385,6 +385,34 @@ def bench_reuse(
     write_json(json_path, figures)
 
 
+@bench_app.command("startup")
+def bench_startup(
+    repeats: Annotated[int, typer.Option(help="Loads of each kind, alternated (median).")] = 5,
+    model: Annotated[Optional[str], typer.Option()] = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Model load from the GGUF file vs from the converted-model cache ([model] cache_dir)."""
+    from dataclasses import asdict
+
+    from kvtierd.bench.startup_bench import run_startup_bench
+
+    if repeats < 1:
+        raise typer.BadParameter("repeats must be at least 1")
+    f = run_startup_bench(model, repeats)
+    m = machine()
+    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}; model {f.model}, "
+               f"loads alternated, median of {f.repeats}")
+    print_table(
+        "model load (to a ready LlamaModel and tokenizer, float32 on the CPU)",
+        ["from", "s", "x faster"],
+        [["GGUF (read, dequantize, fuse)", f.gguf_s, 1.0], ["converted-model cache", f.cached_s, f.speedup],
+         ["first load: convert and store", f.convert_and_store_s, "-"]],
+    )
+    typer.echo(f"cache entry: {f.entry_bytes / 1e6:,.0f} MB; cached model equal to the GGUF's: "
+               f"{'yes' if f.equal else 'NO'}")
+    write_json(json_path, asdict(f))
+
+
 @bench_app.command("tiers")
 def bench_tiers(
     restore_tokens: Annotated[int, typer.Option(help="Restore: the session's prompt tokens.")] = 2000,
