@@ -83,6 +83,8 @@ TIERS = {
             "query_tokens": 0,
             "hit_tokens": 0,
             "hit_rate": 0.0,
+            "codec": "zstd-planes",
+            "reconciled": {"orphan_values": 3, "orphan_rows": 1},
         },
     ]
 }
@@ -354,7 +356,8 @@ def test_status_table(fake: FakeDaemon):
 
 def test_tiers_table(fake: FakeDaemon):
     out = table_of(fake, "tiers")
-    for value in ("device", "2.0 GiB", "25.0%", "8.0 GiB", "42.5%", "12,345", "29,000", "disk", "512.0 MiB", "2,048"):
+    for value in ("device", "2.0 GiB", "25.0%", "8.0 GiB", "42.5%", "12,345", "29,000", "disk", "512.0 MiB", "2,048",
+                  "zstd-planes", "3 / 1"):
         assert value in out, value
 
 

@@ -33,6 +33,8 @@ def test_status_tiers_stats_and_prefixes_reflect_the_daemon(daemon):
     assert device["name"] == "device" and device["query_tokens"] > 0
     assert (host["name"], disk["name"]) == ("host", "disk") and host["healthy"] and disk["healthy"]
     assert disk["capacity_bytes"] > 0 and host["pinned"] is False  # no GPU here
+    assert (host["codec"], disk["codec"]) == ("raw", "raw")  # auto: float32 KV is stored raw
+    assert disk["reconciled"] == {"orphan_values": 0, "orphan_rows": 0}  # a new state dir: nothing to settle
     assert device["eviction_policy"] == "lru" and set(device["evictions"]) == {"capacity", "expired", "invalidated"}
     assert ctl_json(daemon, "stats")["requests"] >= 1
     prefixes = ctl_json(daemon, "prefixes", "ls", "--limit", "5")["prefixes"]

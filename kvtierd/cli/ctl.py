@@ -272,6 +272,10 @@ def render_tiers(data: dict[str, Any]) -> Table:
         ("Query tokens", lambda t: _count(t["query_tokens"])),
         ("Hit tokens", lambda t: _count(t["hit_tokens"])),
         ("Hit rate", lambda t: _pct(t["hit_rate"])),
+        ("Codec", lambda t: t.get("codec") or "—"),
+        # The disk's startup reconciliation with the SQL chunk catalog: values / rows it removed.
+        ("Orphans removed", lambda t: "{orphan_values} / {orphan_rows}".format(**t["reconciled"])
+         if t.get("reconciled") else "—"),
         # A lower tier that is off or failed says why instead (host and disk only).
         ("Health", lambda t: "ok" if t.get("healthy", True) else str(t.get("reason") or "down")),
     ]

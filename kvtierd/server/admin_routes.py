@@ -114,7 +114,7 @@ def lower_tier_json(t: TierStats, query_tokens: int, chunk_pages: int,
         "chunk_pages": chunk_pages, "query_tokens": query_tokens, "hits": t.hits, "hit_tokens": t.hit_tokens,
         "hit_rate": t.hit_tokens / query_tokens if query_tokens else 0.0,
         "writes": t.writes, "pending_writes": t.pending_writes, "dropped_writes": t.dropped_writes,
-        "evictions": {"capacity": t.evictions}, "corrupt": t.corrupt, "pinned": t.pinned,
+        "evictions": {"capacity": t.evictions}, "corrupt": t.corrupt, "pinned": t.pinned, "codec": t.codec,
         "reconciled": reconciled,
     }
 

@@ -1,10 +1,11 @@
 """The tier manager: saves device pages below as chunks, finds a prompt's stored chunks, loads them back.
 
     device pages --save--> host slab   raw frames, gathered straight into a slot (one copy)
-                      \\-->  disk        zstd-planes frames, encoded and committed by the disk's writer thread
+                      \\-->  disk        frames in the disk codec, encoded and committed by the disk's writer thread
                       \\-->  remote      zstd-planes frames, sealed and sent by the remote's writer thread
     host / disk / remote --load--> fresh device pages, on the engine thread
     disk / remote --prefetch--> host slab, on the prefetch thread, as soon as a request arrives
+    disk --warm--> host slab, on the prefetch thread, at startup (recent sessions' chunks)
 
 A host load copies each layer from the slot into the device pages and hashes
 the bytes it just read (still in cache) for the checksum; the pages are

@@ -45,12 +45,13 @@ class TierStats:
     corrupt: int
     pinned: bool  # host: page-locked memory
     prefetched: int = 0  # disk, remote: chunks copied up to the host tier ahead of their request
+    codec: str | None = None  # how its values are encoded (None: the tier is off)
 
 
 def host_stats(host: HostStore, c: TierCounts) -> TierStats:
     s = host.stats()
     return TierStats("host", True, s.healthy, s.reason, s.capacity_bytes, s.bytes_used, s.num_entries,
-                     c.hits, c.hit_tokens, c.writes, 0, 0, s.num_evictions, c.corrupt, s.pinned)
+                     c.hits, c.hit_tokens, c.writes, 0, 0, s.num_evictions, c.corrupt, s.pinned, codec="raw")
 
 
 def writer_stats(name: str, s: StoreStats, w: ChunkWriter, c: TierCounts, unhealthy: str | None = None) -> TierStats:
@@ -59,7 +60,7 @@ def writer_stats(name: str, s: StoreStats, w: ChunkWriter, c: TierCounts, unheal
     healthy = s.healthy and w.failure is None and unhealthy is None
     return TierStats(name, True, healthy, w.failure or s.reason or unhealthy, s.capacity_bytes, s.bytes_used,
                      s.num_entries, c.hits, c.hit_tokens, w.num_written, w.num_pending, w.num_dropped,
-                     s.num_evictions, s.num_corrupt, False, c.prefetched)
+                     s.num_evictions, s.num_corrupt, False, c.prefetched, w.codec)
 
 
 def off_stats(name: str, reason: str | None, c: TierCounts) -> TierStats:
