@@ -23,7 +23,7 @@ TIER_CODECS = ("auto", *CODEC_NAMES)
 
 def resolve_codec(codec: str, dtype: torch.dtype, tier: str) -> str:
     """The codec a tier uses for KV of `dtype`. "auto" on disk: raw for 32-bit KV, whose bytes barely
-    compress (1.2x over byte planes, decoded at about 1.4 GB/s a core: slower than reading the 20% it
+    compress (1.2x over byte planes, decoded at 1.2 to 1.4 GB/s a core: slower than reading the 20% it
     saves from any SSD; `kvtierd bench tiers` measures both), zstd-planes for 16-bit KV, whose sign and
     exponent plane compresses well. "auto" for the fleet: always zstd-planes, since the shared server's
     memory and the network are what is short there."""
