@@ -24,6 +24,7 @@ from sqlalchemy.orm import sessionmaker
 from kvtierd.storage.sql_migrate import upgrade_to_head
 from kvtierd.storage.sql_models import MESSAGE_ROLES, MessageRow, PinRow, SessionChunkRow, SessionRow
 from kvtierd.storage.store_errors import (
+    SessionExistsError,
     SessionNotFoundError,
     SessionStoreError,
     StoreArgumentError,
@@ -103,15 +104,20 @@ class SessionStore:
         self,
         tenant: str,
         *,
+        session_id: str | None = None,
         system_prompt: str | None = None,
         title: str | None = None,
         qos_class: str = "normal",
     ) -> SessionRecord:
+        """A new session, with `session_id` when the client chose one (SessionExistsError when the tenant has
+        it already) or a fresh random id."""
         if not tenant:
             raise StoreArgumentError("tenant must be a non-empty string")
+        if session_id is not None and not session_id:
+            raise StoreArgumentError("a session id must be a non-empty string")
         now = _utcnow()
         row = SessionRow(
-            id=f"sess_{uuid4().hex}",
+            id=session_id or f"sess_{uuid4().hex}",
             tenant=tenant,
             qos_class=qos_class,
             title=title,
@@ -123,8 +129,28 @@ class SessionStore:
         )
         with self._db_errors(), self._sessions.begin() as db:
             db.add(row)
-            db.flush()
+            try:
+                db.flush()
+            except sa_exc.IntegrityError:  # the primary key: the tenant has this id
+                raise SessionExistsError(row.id) from None
             return _session_record(row)
+
+    def get_or_create_session(self, tenant: str, session_id: str, *, system_prompt: str | None = None,
+                              qos_class: str = "normal") -> tuple[SessionRecord, bool]:
+        """The tenant's session `session_id`, created first when it has none; True when it was created here.
+
+        Two first requests racing on one id both get the one session: the loser of the insert reads it."""
+        found = self.get_session(tenant, session_id)
+        if found is not None:
+            return found, False
+        try:
+            return self.create_session(tenant, session_id=session_id, system_prompt=system_prompt,
+                                       qos_class=qos_class), True
+        except SessionExistsError:
+            found = self.get_session(tenant, session_id)
+            if found is None:  # created and deleted between our two calls
+                raise SessionNotFoundError(session_id) from None
+            return found, False
 
     def list_sessions(self, tenant: str, limit: int = 100) -> list[SessionRecord]:
         """This tenant's sessions, most recently used first."""
@@ -143,24 +169,28 @@ class SessionStore:
         """Every tenant's sessions, most recently used first: for administrators only."""
         if limit < 1:
             raise StoreArgumentError(f"limit must be at least 1, got {limit}")
-        query = sa.select(SessionRow).order_by(SessionRow.last_used_at.desc(), SessionRow.id).limit(limit)
+        query = (sa.select(SessionRow).order_by(SessionRow.last_used_at.desc(), SessionRow.tenant, SessionRow.id)
+                 .limit(limit))
         with self._db_errors(), self._sessions.begin() as db:
             return [_session_record(row) for row in db.scalars(query)]
 
-    def tenant_of(self, session_id: str) -> str | None:
-        """The owner of a session (for administrators, who then use the tenant's calls)."""
+    def tenants_of(self, session_id: str) -> list[str]:
+        """The tenants that have a session with this id, sorted (for administrators, who then use the tenant's
+        calls; frontends choose ids, so two tenants may share one)."""
+        query = sa.select(SessionRow.tenant).where(SessionRow.id == session_id).order_by(SessionRow.tenant)
         with self._db_errors(), self._sessions.begin() as db:
-            return db.scalar(sa.select(SessionRow.tenant).where(SessionRow.id == session_id))
+            return list(db.scalars(query))
 
-    def count_messages(self, session_ids: list[str]) -> dict[str, int]:
+    def count_messages(self, sessions: Sequence[tuple[str, str]]) -> dict[tuple[str, str], int]:
+        """How many messages each (tenant, session id) has."""
         query = (
-            sa.select(MessageRow.session_id, sa.func.count())
-            .where(MessageRow.session_id.in_(session_ids))
-            .group_by(MessageRow.session_id)
+            sa.select(MessageRow.tenant, MessageRow.session_id, sa.func.count())
+            .where(sa.tuple_(MessageRow.tenant, MessageRow.session_id).in_(list(sessions)))
+            .group_by(MessageRow.tenant, MessageRow.session_id)
         )
         with self._db_errors(), self._sessions.begin() as db:
-            counts = {sid: n for sid, n in db.execute(query)}
-        return {sid: counts.get(sid, 0) for sid in session_ids}
+            counts = {(tenant, sid): n for tenant, sid, n in db.execute(query)} if sessions else {}
+        return {key: counts.get(key, 0) for key in sessions}
 
     def get_session(self, tenant: str, session_id: str) -> SessionRecord | None:
         """The session, or None when it does not exist or belongs to another tenant."""
@@ -170,7 +200,8 @@ class SessionStore:
 
     def messages(self, tenant: str, session_id: str) -> list[MessageRecord]:
         """The session's messages in order; raises SessionNotFoundError for another tenant's session."""
-        query = sa.select(MessageRow).where(MessageRow.session_id == session_id).order_by(MessageRow.seq)
+        query = (sa.select(MessageRow).where(MessageRow.tenant == tenant, MessageRow.session_id == session_id)
+                 .order_by(MessageRow.seq))
         with self._db_errors(), self._sessions.begin() as db:
             if db.scalar(sa.select(SessionRow.id).where(_owned(session_id, tenant))) is None:
                 raise SessionNotFoundError(session_id)
@@ -216,7 +247,8 @@ class SessionStore:
             .where(_owned(session_id, tenant))
             .values(last_used_at=now, token_count=token_count)
         )
-        last_seq = sa.select(sa.func.max(MessageRow.seq)).where(MessageRow.session_id == session_id)
+        mine = (MessageRow.tenant == tenant, MessageRow.session_id == session_id)
+        last_seq = sa.select(sa.func.max(MessageRow.seq)).where(*mine)
         with self._db_errors(), self._sessions.begin() as db:
             # Write the session row before reading max(seq): that takes its lock
             # (a row lock in PostgreSQL, the write lock in SQLite) first, so
@@ -225,15 +257,16 @@ class SessionStore:
                 raise SessionNotFoundError(session_id)
             if supersede_from is not None:
                 db.execute(sa.update(MessageRow)
-                           .where(MessageRow.session_id == session_id, MessageRow.seq >= supersede_from)
+                           .where(*mine, MessageRow.seq >= supersede_from)
                            .values(status="superseded"))
             last = db.scalar(last_seq)
             seq = 0 if last is None else last + 1
             for role, content in earlier:
-                db.add(MessageRow(session_id=session_id, seq=seq, role=role, content=content, status="complete",
+                db.add(MessageRow(tenant=tenant, session_id=session_id, seq=seq, role=role, content=content, status="complete",
                                   created_at=now))
                 seq += 1
             user = MessageRow(
+                tenant=tenant,
                 session_id=session_id,
                 seq=seq,
                 role="user",
@@ -242,6 +275,7 @@ class SessionStore:
                 created_at=now,
             )
             reply = MessageRow(
+                tenant=tenant,
                 session_id=session_id,
                 seq=seq + 1,
                 role="assistant",
@@ -253,11 +287,13 @@ class SessionStore:
             )
             db.add_all([user, reply])
             if chunk_keys:
-                mine = (SessionChunkRow.session_id == session_id, SessionChunkRow.store == chunk_store)
-                known = set(db.scalars(sa.select(SessionChunkRow.chunk_key).where(*mine)))
+                ours = (SessionChunkRow.tenant == tenant, SessionChunkRow.session_id == session_id,
+                        SessionChunkRow.store == chunk_store)
+                known = set(db.scalars(sa.select(SessionChunkRow.chunk_key).where(*ours)))
                 if stale := known.difference(chunk_keys):
-                    db.execute(sa.delete(SessionChunkRow).where(*mine, SessionChunkRow.chunk_key.in_(stale)))
-                db.add_all([SessionChunkRow(session_id=session_id, store=chunk_store, chunk_key=key, created_at=now)
+                    db.execute(sa.delete(SessionChunkRow).where(*ours, SessionChunkRow.chunk_key.in_(stale)))
+                db.add_all([SessionChunkRow(tenant=tenant, session_id=session_id, store=chunk_store, chunk_key=key,
+                                            created_at=now)
                             for key in dict.fromkeys(chunk_keys) if key not in known])
             db.flush()
             return _message_record(user), _message_record(reply)
@@ -279,14 +315,18 @@ class SessionStore:
     def recent_session_chunks(self, chunk_store: str, num_sessions: int) -> list[bytes]:
         """The cataloged chunks in `chunk_store` of the `num_sessions` most recently used sessions that have
         some, least recent session first, each session's in the order its turns stored them."""
-        recent = (sa.select(SessionRow.id, SessionRow.last_used_at)
-                  .where(SessionRow.id.in_(sa.select(SessionChunkRow.session_id)
-                                           .where(SessionChunkRow.store == chunk_store)))
-                  .order_by(SessionRow.last_used_at.desc(), SessionRow.id).limit(num_sessions).subquery())
+        cataloged = sa.select(SessionChunkRow.tenant, SessionChunkRow.session_id).where(
+            SessionChunkRow.store == chunk_store)
+        recent = (sa.select(SessionRow.tenant, SessionRow.id, SessionRow.last_used_at)
+                  .where(sa.tuple_(SessionRow.tenant, SessionRow.id).in_(cataloged))
+                  .order_by(SessionRow.last_used_at.desc(), SessionRow.tenant, SessionRow.id).limit(num_sessions)
+                  .subquery())
         query = (sa.select(SessionChunkRow.chunk_key)
-                 .join(recent, recent.c.id == SessionChunkRow.session_id)
+                 .join(recent, sa.and_(recent.c.tenant == SessionChunkRow.tenant,
+                                       recent.c.id == SessionChunkRow.session_id))
                  .where(SessionChunkRow.store == chunk_store)
-                 .order_by(recent.c.last_used_at, recent.c.id, SessionChunkRow.created_at, SessionChunkRow.chunk_key))
+                 .order_by(recent.c.last_used_at, recent.c.tenant, recent.c.id, SessionChunkRow.created_at,
+                           SessionChunkRow.chunk_key))
         with self._db_errors(), self._sessions.begin() as db:
             keys = list(db.scalars(query))
         return list(reversed(dict.fromkeys(reversed(keys))))  # a shared chunk where its latest session has it

@@ -56,12 +56,14 @@ class Base(DeclarativeBase):
 
 
 class SessionRow(Base):
+    """A session is its tenant's: (tenant, id) is its identity, so two tenants' frontends may pick the same id."""
+
     __tablename__ = "sessions"
     # One index serves both "this tenant's sessions" and "most recently used first".
     __table_args__ = (sa.Index("ix_sessions_tenant_last_used_at", "tenant", "last_used_at"),)
 
+    tenant: Mapped[str] = mapped_column(sa.Text, primary_key=True)
     id: Mapped[str] = mapped_column(sa.Text, primary_key=True)
-    tenant: Mapped[str] = mapped_column(sa.Text)
     qos_class: Mapped[str] = mapped_column(sa.Text, default="normal", server_default="normal")
     title: Mapped[str | None] = mapped_column(sa.Text)
     system_prompt: Mapped[str | None] = mapped_column(sa.Text)
@@ -73,15 +75,18 @@ class SessionRow(Base):
 
 class MessageRow(Base):
     __tablename__ = "messages"
-    # The unique (session_id, seq) index also serves lookups and cascades by session_id.
+    # The unique (tenant, session_id, seq) index also serves lookups and cascades by session.
     __table_args__ = (
-        sa.UniqueConstraint("session_id", "seq"),
+        sa.UniqueConstraint("tenant", "session_id", "seq"),
+        sa.ForeignKeyConstraint(["tenant", "session_id"], ["sessions.tenant", "sessions.id"], ondelete="CASCADE",
+                                name="fk_messages_tenant_sessions"),
         sa.CheckConstraint("role IN ('user', 'assistant')", name="role"),
         sa.CheckConstraint("status IN ('complete', 'interrupted', 'superseded')", name="status"),
     )
 
     id: Mapped[int] = mapped_column(sa.Integer, primary_key=True, autoincrement=True)
-    session_id: Mapped[str] = mapped_column(sa.Text, sa.ForeignKey("sessions.id", ondelete="CASCADE"))
+    tenant: Mapped[str] = mapped_column(sa.Text)
+    session_id: Mapped[str] = mapped_column(sa.Text)
     seq: Mapped[int] = mapped_column(sa.Integer)
     role: Mapped[str] = mapped_column(sa.Text)
     content: Mapped[str] = mapped_column(sa.Text)
@@ -114,10 +119,14 @@ class SessionChunkRow(Base):
     reconcile their own rows; the row goes with its session (ON DELETE CASCADE)."""
 
     __tablename__ = "session_chunks"
-    __table_args__ = (sa.Index(None, "store", "chunk_key"),)
+    __table_args__ = (
+        sa.Index(None, "store", "chunk_key"),
+        sa.ForeignKeyConstraint(["tenant", "session_id"], ["sessions.tenant", "sessions.id"], ondelete="CASCADE",
+                                name="fk_session_chunks_tenant_sessions"),
+    )
 
-    session_id: Mapped[str] = mapped_column(sa.Text, sa.ForeignKey("sessions.id", ondelete="CASCADE"),
-                                            primary_key=True)
+    tenant: Mapped[str] = mapped_column(sa.Text, primary_key=True)
+    session_id: Mapped[str] = mapped_column(sa.Text, primary_key=True)
     store: Mapped[str] = mapped_column(sa.Text, primary_key=True)
     chunk_key: Mapped[bytes] = mapped_column(sa.LargeBinary, primary_key=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime)

@@ -11,6 +11,10 @@ class SessionNotFoundError(SessionStoreError, LookupError):
     """No such session for this tenant (another tenant's session is reported the same way)."""
 
 
+class SessionExistsError(SessionStoreError):
+    """The tenant already has a session with the id a client chose."""
+
+
 class StoreUnavailableError(SessionStoreError):
     """A store cannot be used: the session database is down or locked, or a KV tier's
     directory is missing, unwritable or corrupt. Retrying later may succeed.

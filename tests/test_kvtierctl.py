@@ -152,8 +152,10 @@ STATS = {
     "errors_5xx": 0,
     "active_streams": 1,
 }
+PINS = {"pins": [], "budget": {"share": 0.25, "device_pages": 0, "device_limit_pages": 1000}}
 CANNED = {
     ("GET", "/admin/status"): STATUS,
+    ("GET", "/admin/pins"): PINS,
     ("GET", "/admin/tiers"): TIERS,
     ("GET", "/admin/sessions"): SESSIONS,
     ("GET", f"/admin/sessions/{SESSION_ID}"): SESSION_DETAIL,
@@ -412,6 +414,27 @@ def test_json_prints_what_the_daemon_sent(fake: FakeDaemon, args: list[str], rou
     result = kvtierctl("--json", *args, socket_path=fake.path)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout) == CANNED[route]
+
+
+@pytest.mark.parametrize(
+    ("args", "route"),
+    [
+        (["status", "--json"], ("GET", "/admin/status")),
+        (["pins", "--json"], ("GET", "/admin/pins")),
+        (["sessions", "ls", "--json"], ("GET", "/admin/sessions")),
+        (["sessions", "show", "--json", SESSION_ID], ("GET", f"/admin/sessions/{SESSION_ID}")),
+    ],
+)
+def test_json_after_the_command_works_as_before_it(fake: FakeDaemon, args: list[str], route: tuple[str, str]):
+    result = kvtierctl(*args, socket_path=fake.path)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == CANNED[route]
+
+
+def test_json_after_a_double_dash_is_an_argument(fake: FakeDaemon):
+    result = kvtierctl("sessions", "show", "--", "--json", socket_path=fake.path)
+    assert_one_error_line(result, 1, "--json")
+    assert fake.requests[-1][:2] == ("GET", "/admin/sessions/--json")
 
 
 def test_forbidden_prints_the_daemons_message_and_exits_1(fake: FakeDaemon):

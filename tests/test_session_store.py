@@ -16,11 +16,15 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from alembic import command
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
 from sqlalchemy.engine import Engine
 
 from kvtierd.storage.session_store import SessionStore
 from kvtierd.storage.sql_migrate import alembic_config, upgrade_to_head
+from kvtierd.storage.sql_models import Base
 from kvtierd.storage.store_errors import (
+    SessionExistsError,
     SessionNotFoundError,
     SessionStoreError,
     StoreArgumentError,
@@ -84,22 +88,72 @@ def test_migrations_create_the_tables_and_rerunning_is_a_no_op(store_url: str) -
             "created_at", "last_used_at", "token_count", "pinned",
         }  # fmt: skip
         assert {c["name"] for c in inspector.get_columns("messages")} == {
-            "id", "session_id", "seq", "role", "content", "status",
+            "id", "tenant", "session_id", "seq", "role", "content", "status",
             "created_at", "prompt_tokens", "completion_tokens",
         }  # fmt: skip
+        assert inspector.get_pk_constraint("sessions")["constrained_columns"] == ["tenant", "id"]
         assert [i["column_names"] for i in inspector.get_indexes("sessions")] == [["tenant", "last_used_at"]]
-        assert [u["column_names"] for u in inspector.get_unique_constraints("messages")] == [["session_id", "seq"]]
-        [fk] = inspector.get_foreign_keys("messages")
-        assert fk["referred_table"] == "sessions"
-        assert fk["options"].get("ondelete") == "CASCADE"
+        assert [u["column_names"] for u in inspector.get_unique_constraints("messages")] == [
+            ["tenant", "session_id", "seq"]]
+        for child in ("messages", "session_chunks"):
+            [fk] = inspector.get_foreign_keys(child)
+            assert (fk["referred_table"], fk["constrained_columns"], fk["referred_columns"]) == (
+                "sessions", ["tenant", "session_id"], ["tenant", "id"])
+            assert fk["options"].get("ondelete") == "CASCADE"
         with engine.connect() as conn:
-            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0004"]
+            assert conn.execute(sa.text("SELECT version_num FROM alembic_version")).scalars().all() == ["0005"]
+            # The models (what the store writes through) say what the migrations made.
+            assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     finally:
         engine.dispose()
 
     # A store opened on the migrated database migrates nothing and works.
     with SessionStore(store_url) as store:
         assert store.list_sessions("t") == []
+
+
+def test_upgrading_a_0004_store_through_the_store_keeps_every_row(store_url: str) -> None:
+    """The store migrates on its own connection, where SQLite enforces foreign keys (a careless rebuild of
+    `sessions` would cascade-delete every message)."""
+    sqlite_file = sa.make_url(store_url).database
+    if store_url.startswith("sqlite") and sqlite_file:
+        Path(sqlite_file).parent.mkdir(parents=True)
+    command.upgrade(alembic_config(store_url), "0004")
+    engine = sa.create_engine(store_url)
+    try:
+        with engine.begin() as conn:
+            for sid, tenant in (("s1", "alice"), ("s2", "bob")):
+                conn.execute(sa.text("INSERT INTO sessions (id, tenant, created_at, last_used_at) "
+                                     "VALUES (:sid, :tenant, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
+                             {"sid": sid, "tenant": tenant})
+                conn.execute(sa.text("INSERT INTO messages (session_id, seq, role, content, status, created_at) "
+                                     "VALUES (:sid, 0, 'user', :sid, 'complete', CURRENT_TIMESTAMP)"), {"sid": sid})
+                conn.execute(sa.text("INSERT INTO session_chunks (session_id, store, chunk_key, created_at) "
+                                     "VALUES (:sid, 'host:/s', :key, CURRENT_TIMESTAMP)"),
+                             {"sid": sid, "key": sid.encode() * 8})
+    finally:
+        engine.dispose()
+    with SessionStore(store_url) as store:
+        assert [m.content for m in store.messages("alice", "s1")] == ["s1"]
+        assert [m.content for m in store.messages("bob", "s2")] == ["s2"]
+        assert store.cataloged_chunks("host:/s") == {b"s1" * 8, b"s2" * 8}
+        bob_s1 = store.create_session("bob", session_id="s1")  # now possible: ids are per tenant
+        turn(store, "bob", bob_s1.id, 0)
+        assert store.delete_session("alice", "s1")
+        assert store.cataloged_chunks("host:/s") == {b"s2" * 8}
+        assert len(store.messages("bob", "s1")) == 2
+
+
+def test_downgrading_to_0004_refuses_ids_two_tenants_share(store_url: str) -> None:
+    with SessionStore(store_url) as store:
+        store.create_session("alice", session_id="same")
+        store.create_session("bob", session_id="other")
+    command.downgrade(alembic_config(store_url), "0004")  # every id one tenant's: fine
+    upgrade_to_head(store_url)
+    with SessionStore(store_url) as store:
+        store.create_session("bob", session_id="same")
+    with pytest.raises(RuntimeError, match="same"):
+        command.downgrade(alembic_config(store_url), "0004")
 
 
 def test_upgrading_a_0001_store_keeps_its_messages_and_allows_superseded(store_url: str) -> None:
@@ -182,6 +236,43 @@ def test_a_tenant_sees_only_its_own_sessions(store: SessionStore) -> None:
     # Tenant A's session is untouched by all of that.
     assert [m.content for m in store.messages("tenant-a", mine.id)] == ["question 0", "answer 0"]
     assert store.get_session("tenant-a", mine.id) is not None
+
+
+def test_a_client_chosen_id_is_its_tenants_alone(store: SessionStore) -> None:
+    alice = store.create_session("alice", session_id="chat-42", system_prompt="A")
+    assert alice.id == "chat-42"
+    with pytest.raises(SessionExistsError):
+        store.create_session("alice", session_id="chat-42")
+    bob = store.create_session("bob", session_id="chat-42", system_prompt="B")  # another tenant: another session
+    assert store.tenants_of("chat-42") == ["alice", "bob"] and store.tenants_of("chat-43") == []
+
+    turn(store, "alice", "chat-42", 0, chunk_store="host:/s", chunk_keys=[b"a" * 16])
+    turn(store, "bob", "chat-42", 5, chunk_store="host:/s", chunk_keys=[b"b" * 16])
+    turn(store, "bob", "chat-42", 6)
+    assert [m.content for m in store.messages("alice", "chat-42")] == ["question 0", "answer 0"]
+    assert [m.seq for m in store.messages("bob", "chat-42")] == [0, 1, 2, 3]
+    assert store.count_messages([("alice", "chat-42"), ("bob", "chat-42"), ("carol", "chat-42")]) == {
+        ("alice", "chat-42"): 2, ("bob", "chat-42"): 4, ("carol", "chat-42"): 0}
+    assert {s.system_prompt for s in store.list_all_sessions()} == {"A", "B"}
+
+    assert store.delete_session("alice", "chat-42")
+    assert store.get_session("bob", "chat-42").created_at == bob.created_at
+    assert len(store.messages("bob", "chat-42")) == 4
+    assert store.cataloged_chunks("host:/s") == {b"b" * 16}  # alice's rows went with her session, bob's stay
+
+
+def test_get_or_create_creates_once(store: SessionStore) -> None:
+    created, new = store.get_or_create_session("acme", "conv-1", system_prompt="Be brief.")
+    assert new and created.system_prompt == "Be brief." and created.id == "conv-1"
+    again, new = store.get_or_create_session("acme", "conv-1", system_prompt="ignored")
+    assert not new and again == created
+
+
+def test_concurrent_first_uses_of_one_id_make_one_session(store: SessionStore) -> None:
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: store.get_or_create_session("acme", "conv-race"), range(16)))
+    assert sum(new for _, new in results) == 1
+    assert {s for s, _ in results} == {store.get_session("acme", "conv-race")}
 
 
 def test_unknown_session_is_not_found(store: SessionStore) -> None:

@@ -53,6 +53,7 @@ SAMPLES: dict[str, tuple[tuple[Any, Any], tuple[str, Any], tuple[Any, Any]]] = {
     "remote_op_timeout_ms": ((100, 100), ("250", 250), (500, 500)),
     "remote_admission": (("sessions", "sessions"), ("all", "all"), ("sessions", "sessions")),
     "truncation_keep_tokens": ((0, 0), ("1024", 1024), (4096, 4096)),
+    "session_create_on_first_use": ((False, False), ("yes", True), ("off", False)),
     "max_num_batched_tokens": ((1024, 1024), ("4096", 4096), (512, 512)),
     "max_num_seqs": ((8, 8), ("16", 16), (4, 4)),
     "max_model_len": ((2048, 2048), ("4096", 4096), (1024, 1024)),

@@ -18,11 +18,13 @@ from pathlib import Path
 from typing import Annotated, Any, NoReturn, Optional
 from urllib.parse import quote
 
+import click
 import typer
 from rich import box
 from rich.console import Console, Group, RenderableType
 from rich.table import Table
 from rich.text import Text
+from typer.core import TyperGroup
 
 from kvtierd.cli.admin_client import (
     EXIT_CONNECTION,
@@ -34,7 +36,20 @@ from kvtierd.cli.admin_client import (
 )
 from kvtierd.cli.top import run_top
 
+
+class JsonAnywhereGroup(TyperGroup):
+    """`--json` is the app's option, but users type it after the command too (`kvtierctl pins --json`):
+    it is moved to the front before parsing (up to a `--`, after which everything is an argument)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        end = args.index("--") if "--" in args else len(args)
+        if "--json" in args[:end]:
+            args = ["--json", *(a for a in args[:end] if a != "--json"), *args[end:]]
+        return super().parse_args(ctx, args)
+
+
 app = typer.Typer(
+    cls=JsonAnywhereGroup,
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_show_locals=False,
@@ -125,16 +140,23 @@ def sessions_ls(
     _run(ctx, "GET", "/admin/sessions", {"tenant": tenant, "limit": limit}, render=render_sessions)
 
 
+# Frontends choose session ids, so two tenants may have the same one: then the tenant must be named.
+OwnerOpt = Annotated[Optional[str], typer.Option("--tenant", help="The session's tenant (needed when several "
+                                                                   "tenants have a session with this id).")]
+
+
 @sessions_app.command("show")
-def sessions_show(ctx: typer.Context, session_id: Annotated[str, typer.Argument(metavar="ID")]) -> None:
+def sessions_show(ctx: typer.Context, session_id: Annotated[str, typer.Argument(metavar="ID")],
+                  tenant: OwnerOpt = None) -> None:
     """One session and its messages."""
-    _run(ctx, "GET", f"/admin/sessions/{quote(session_id, safe='')}", render=render_session)
+    _run(ctx, "GET", f"/admin/sessions/{quote(session_id, safe='')}", {"tenant": tenant}, render=render_session)
 
 
 @sessions_app.command("rm")
-def sessions_rm(ctx: typer.Context, session_id: Annotated[str, typer.Argument(metavar="ID")]) -> None:
+def sessions_rm(ctx: typer.Context, session_id: Annotated[str, typer.Argument(metavar="ID")],
+                tenant: OwnerOpt = None) -> None:
     """Delete a session, its messages and its cached context."""
-    data = _call(ctx, "DELETE", f"/admin/sessions/{quote(session_id, safe='')}")
+    data = _call(ctx, "DELETE", f"/admin/sessions/{quote(session_id, safe='')}", {"tenant": tenant})
     if ctx.obj.json:
         _print_json(data)
     if data.get("deleted") is not True:

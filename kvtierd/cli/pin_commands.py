@@ -20,7 +20,7 @@ def pin(
     file: FileOpt = None,
     messages_file: MessagesOpt = None,
     token_ids: TokenIdsOpt = None,
-    tenant: Annotated[Optional[str], typer.Option("--tenant", help="The prefix's namespace (public: the public one).")] = None,
+    tenant: Annotated[Optional[str], typer.Option("--tenant", help="The prefix's namespace (public: the public one), or the session's tenant.")] = None,
     ttl: Annotated[Optional[float], typer.Option("--ttl", help="Seconds until the pin lapses (default: never).")] = None,
     tier: Annotated[str, typer.Option("--tier", help="device, host or disk: where it is never evicted from.")] = "device",
 ) -> None:

@@ -11,7 +11,7 @@ from kvtierd import __version__
 from kvtierd.cache.fragmentation import Fragmentation
 from kvtierd.server.chunk_catalog import CatalogReconciliation
 from kvtierd.server.errors import ApiError
-from kvtierd.server.session_routes import query_limit, drop_session_kv, message_json, session_json
+from kvtierd.server.session_routes import drop_session_kv, message_json, query_limit, session_json, session_tenant
 from kvtierd.server.state import STATE, DaemonState
 from kvtierd.tiers.tier_stats import TierStats
 
@@ -157,16 +157,16 @@ async def admin_sessions(request: web.Request) -> web.Response:
         sessions = await state.db(state.store.list_sessions, tenant, limit)
     else:
         sessions = await state.db(state.store.list_all_sessions, limit)
-    counts = await state.db(state.store.count_messages, [s.id for s in sessions])
-    return web.json_response({"sessions": [session_json(s, counts[s.id]) for s in sessions]})
+    counts = await state.db(state.store.count_messages, [(s.tenant, s.id) for s in sessions])
+    return web.json_response({"sessions": [session_json(s, counts[(s.tenant, s.id)]) for s in sessions]})
 
 
 async def _any_session(request: web.Request):
     state = request.app[STATE]
     sid = request.match_info["session_id"]
-    tenant = await state.db(state.store.tenant_of, sid)
-    session = tenant and await state.db(state.store.get_session, tenant, sid)
-    if not session:
+    tenant = await session_tenant(state, sid, request.query.get("tenant"))
+    session = await state.db(state.store.get_session, tenant, sid)
+    if session is None:
         raise ApiError(404, f"no session {sid!r}", code="session_not_found")
     return session
 

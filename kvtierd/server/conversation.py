@@ -61,13 +61,27 @@ async def load_session(state: DaemonState, tenant: str, session_id: str) -> tupl
     return session, await state.db(state.store.messages, tenant, session_id)
 
 
+async def chat_session(state: DaemonState, tenant: str, session_id: str,
+                       messages: list[dict[str, str]]) -> tuple[SessionRecord, list[MessageRecord]]:
+    """The session a chat request names. A frontend's own conversation id may be new to us: with
+    `[sessions] create_on_first_use` the session is created then, the request's system message its system prompt."""
+    if not state.settings.session_create_on_first_use:
+        return await load_session(state, tenant, session_id)
+    system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    session, created = await state.db(state.store.get_or_create_session, tenant, session_id, system_prompt=system)
+    if created:
+        log.info("session %r of tenant %r created on first use", session_id, tenant)
+        return session, []
+    return session, await state.db(state.store.messages, tenant, session_id)
+
+
 async def prepare_chat_turn(
     state: DaemonState, tenant: str, messages: list[dict[str, str]], session_id: str | None, max_tokens: int
 ) -> Turn:
     tok = state.loaded.tokenizer
     if session_id is None:
         return Turn(tok.encode_chat(messages))
-    session, records = await load_session(state, tenant, session_id)
+    session, records = await chat_session(state, tenant, session_id, messages)
     history = session_history(session, records)
     supersede_from = None
     if messages[: len(history)] == history:

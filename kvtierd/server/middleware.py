@@ -14,7 +14,8 @@ from kvtierd.model.errors import ChatTemplateError
 from kvtierd.server.errors import ApiError, bad_request, forbidden, unavailable
 from kvtierd.server.peer import peer_of
 from kvtierd.server.state import STATE
-from kvtierd.storage.store_errors import SessionNotFoundError, StoreArgumentError, StoreUnavailableError
+from kvtierd.storage.store_errors import (SessionExistsError, SessionNotFoundError, StoreArgumentError,
+                                          StoreUnavailableError)
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,8 @@ def _as_api_error(e: Exception) -> ApiError | None:
         return bad_request(f"the chat template refused the messages: {e}", param="messages")
     if isinstance(e, SessionNotFoundError):
         return ApiError(404, f"no session {e.args[0]!r}", code="session_not_found")
+    if isinstance(e, SessionExistsError):
+        return ApiError(409, f"you already have a session {e.args[0]!r}", param="id", code="session_exists")
     if isinstance(e, StoreArgumentError):
         return bad_request(str(e))
     if isinstance(e, StoreUnavailableError):

@@ -51,6 +51,9 @@ def _op(summary: str, body: dict | None = None, errors: tuple[int, ...] = (400,)
 
 
 _SESSION_ID = [{"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}]
+_CHOSEN_ID = {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"}  # schemas.SESSION_ID
+_OWNER = [{"name": "tenant", "in": "query", "schema": {"type": "string"},
+           "description": "the session's tenant, needed when several tenants have a session with this id"}]
 _LIMIT = [{"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}]
 
 DOCUMENT = {
@@ -60,7 +63,9 @@ DOCUMENT = {
     "paths": {
         "/v1/chat/completions": {"post": _op("Chat completion (SSE when stream is true)", _body(
             {"model": {"type": "string"}, "messages": {"type": "array", "items": _MESSAGE, "minItems": 1},
-             "session_id": {"type": "string", "description": "kvtierd extension: bind to a stored session"},
+             "session_id": {**_CHOSEN_ID, "description": "kvtierd extension: bind to a stored session (an unknown id "
+                            "is created on first use, with the request's system message, unless [sessions] "
+                            "create_on_first_use is off: then 404)"},
              **_SAMPLING}, ["messages"]), (400, 404, 413, 503))},
         "/v1/completions": {"post": _op("Text completion from text or token ids", _body(
             {"model": {"type": "string"}, "echo": {"type": "boolean", "enum": [False]},
@@ -71,8 +76,10 @@ DOCUMENT = {
         "/v1/models": {"get": _op("The served model", errors=())},
         "/v1/sessions": {
             "post": _op("Create a chat session", _body(
-                {"system_prompt": {"type": "string"}, "title": {"type": "string"},
-                 "priority": {"type": "string", "enum": ["high", "normal", "low"]}}, [])),
+                {"id": {**_CHOSEN_ID, "description": "the client's own id for it (default: a new random one); 409 "
+                        "when this tenant has it already"},
+                 "system_prompt": {"type": "string"}, "title": {"type": "string"},
+                 "priority": {"type": "string", "enum": ["high", "normal", "low"]}}, []), (400, 409)),
             "get": {**_op("This tenant's sessions"), "parameters": _LIMIT},
         },
         "/v1/sessions/{session_id}": {
@@ -123,8 +130,9 @@ DOCUMENT = {
         "/admin/sessions": {"get": {**_op("Sessions of every tenant", errors=(403,)), "parameters": _LIMIT + [
             {"name": "tenant", "in": "query", "schema": {"type": "string"}}]}},
         "/admin/sessions/{session_id}": {
-            "get": {**_op("Any session with its messages", errors=(403, 404)), "parameters": _SESSION_ID},
-            "delete": {**_op("Delete any session and its cached KV", errors=(403, 404)), "parameters": _SESSION_ID},
+            "get": {**_op("Any session with its messages", errors=(403, 404, 409)), "parameters": _SESSION_ID + _OWNER},
+            "delete": {**_op("Delete any session and its cached KV", errors=(403, 404, 409)),
+                       "parameters": _SESSION_ID + _OWNER},
         },
     },
     "components": {"schemas": {"Error": {"type": "object", "required": ["error"], "properties": {"error": {

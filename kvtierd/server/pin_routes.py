@@ -24,6 +24,7 @@ from kvtierd.server.generation import Generation
 from kvtierd.server.middleware import read_json
 from kvtierd.server.prefix_routes import PREFIX_FIELDS, prefix_tokens, tenant_param
 from kvtierd.server.schemas import require_object
+from kvtierd.server.session_routes import session_tenant
 from kvtierd.server.state import STATE, DaemonState
 from kvtierd.storage.session_store import PinRecord
 from kvtierd.tiers.tier_manager import PIN_TIERS, TierManager
@@ -91,9 +92,9 @@ async def add_pin(request: web.Request) -> web.Response:
         if PREFIX_FIELDS & set(body):
             raise bad_request("pin either a session_id or a prefix, not both", param="session_id")
         sid = body["session_id"]
-        tenant = isinstance(sid, str) and await state.db(state.store.tenant_of, sid)
-        if not tenant:
-            raise ApiError(404, f"no session {sid!r}", param="session_id", code="session_not_found")
+        if not isinstance(sid, str):
+            raise bad_request("session_id must be a string", param="session_id")
+        tenant = await session_tenant(state, sid, tenant_param(body) or None, param="session_id")
         record = PinRecord(pin_id, tenant, "session", sid, (), _utcnow(), _expiry(ttl_s), tier)
     else:
         record = PinRecord(pin_id, tenant_param(body), "prefix", None, tuple(prefix_tokens(state, body)), _utcnow(),

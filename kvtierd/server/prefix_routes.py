@@ -19,7 +19,7 @@ from kvtierd.server.errors import ApiError, bad_request
 from kvtierd.server.generation import Generation
 from kvtierd.server.middleware import TENANT_NAME, read_json
 from kvtierd.server.schemas import parse_messages, parse_tag, require_object
-from kvtierd.server.session_routes import query_limit
+from kvtierd.server.session_routes import query_limit, session_tenant
 from kvtierd.server.state import STATE, DaemonState
 
 routes = web.RouteTableDef()
@@ -125,9 +125,7 @@ async def invalidate(request: web.Request) -> web.Response:
         sid = body["session_id"]
         if not isinstance(sid, str):
             raise bad_request("session_id must be a string", param="session_id")
-        tenant = await state.db(state.store.tenant_of, sid)
-        if tenant is None:
-            raise ApiError(404, f"no session {sid!r}", param="session_id", code="session_not_found")
+        tenant = await session_tenant(state, sid, tenant_param(body) or None, param="session_id")
         change = partial(eng.invalidate_session, sid, tenant)
     elif target == "prefix":
         prefix = body["prefix"]

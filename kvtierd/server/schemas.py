@@ -26,7 +26,10 @@ SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p"
 CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "session_id"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "echo"}
 SESSION_MESSAGE_FIELDS = SAMPLING_FIELDS | {"content"}
-SESSION_CREATE_FIELDS = {"system_prompt", "title", "priority"}
+SESSION_CREATE_FIELDS = {"id", "system_prompt", "title", "priority"}
+# A client-chosen session id: it appears in URL paths, so no slash; frontends' UUIDs and "chat-123" fit.
+SESSION_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+SESSION_ID_RULE = "1-128 of A-Z a-z 0-9 . _ : -"
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,12 +168,20 @@ def parse_messages(value: Any, param: str = "messages") -> list[dict[str, str]]:
     return out
 
 
+def session_id_param(body: dict, name: str) -> str | None:
+    """A session id the client names (to create or to use): None when absent."""
+    value = _typed(body, name, str)
+    if value is not None and not SESSION_ID.fullmatch(value):
+        raise bad_request(f"{name} must be {SESSION_ID_RULE}", param=name)
+    return value
+
+
 def parse_chat(body: Any, default_max_tokens: int) -> ChatRequest:
     body = require_object(body, CHAT_FIELDS)
     return ChatRequest(
         model=_typed(body, "model", str),
         messages=parse_messages(body.get("messages")),
-        session_id=_typed(body, "session_id", str),
+        session_id=session_id_param(body, "session_id"),
         options=parse_options(body, default_max_tokens),
     )
 

@@ -9,8 +9,8 @@ from kvtierd.server.conversation import prepare_session_message
 from kvtierd.server.errors import ApiError, bad_request
 from kvtierd.server.middleware import read_json
 from kvtierd.server.schemas import (PRIORITIES, SESSION_CREATE_FIELDS, SESSION_MESSAGE_FIELDS, parse_options,
-                                    require_object)
-from kvtierd.server.state import STATE
+                                    require_object, session_id_param)
+from kvtierd.server.state import STATE, DaemonState
 from kvtierd.storage.session_store import MessageRecord, SessionRecord
 
 routes = web.RouteTableDef()
@@ -48,7 +48,7 @@ async def create_session(request: web.Request) -> web.Response:
     priority = _optional_str(body, "priority") or "normal"
     if priority not in PRIORITIES:
         raise bad_request(f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
-    session = await state.db(state.store.create_session, request["tenant"],
+    session = await state.db(state.store.create_session, request["tenant"], session_id=session_id_param(body, "id"),
                              system_prompt=_optional_str(body, "system_prompt"),
                              title=_optional_str(body, "title"), qos_class=priority)
     return web.json_response(session_json(session), status=201)
@@ -115,3 +115,15 @@ async def drop_session_kv(request: web.Request, session: SessionRecord) -> int:
     state = request.app[STATE]
     state.truncation_cuts.pop((session.tenant, session.id), None)
     return await state.engine.call(lambda: state.engine.engine.invalidate_session(session.id, session.tenant))
+
+
+async def session_tenant(state: DaemonState, sid: str, tenant: str | None, param: str | None = None) -> str:
+    """Whose session `sid` is: `tenant` when the admin named one, else its one owner. Frontends choose
+    their ids, so two tenants may share one: then the admin must name the tenant (409)."""
+    owners = [tenant] if tenant else await state.db(state.store.tenants_of, sid)
+    if not owners or (tenant and await state.db(state.store.get_session, tenant, sid) is None):
+        raise ApiError(404, f"no session {sid!r}", param=param, code="session_not_found")
+    if len(owners) > 1:
+        raise ApiError(409, f"tenants {', '.join(owners)} each have a session {sid!r}: name the tenant",
+                       param="tenant", code="session_ambiguous")
+    return owners[0]

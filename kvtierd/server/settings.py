@@ -206,6 +206,9 @@ SETTINGS: tuple[Setting, ...] = (
             "turns the 'turns' policy keeps after the system prompt"),
     Setting("truncation_keep_tokens", "sessions", "truncation_keep_tokens", 0, int_between(0),
             "tokens the 'tokens' policy keeps (0: the context window less max_tokens)"),
+    Setting("session_create_on_first_use", "sessions", "create_on_first_use", True, parse_bool,
+            "a chat request naming an unknown session_id creates it (its system message becomes the session's "
+            "system prompt); off: 404"),
     Setting("max_num_batched_tokens", "engine", "max_num_batched_tokens", 2048, int_between(1), "tokens per engine step (chunked prefill budget)"),
     Setting("max_num_seqs", "engine", "max_num_seqs", 64, int_between(1), "requests running at once"),
     Setting("max_model_len", "engine", "max_model_len", 0, int_between(0), "context window in tokens (0: the model's)"),
@@ -290,6 +293,7 @@ class Settings:
     truncation: str
     truncation_keep_turns: int
     truncation_keep_tokens: int
+    session_create_on_first_use: bool
     max_num_batched_tokens: int
     max_num_seqs: int
     max_model_len: int
