@@ -290,6 +290,64 @@ def test_deleted_session_is_gone(http):
     assert http.delete(f"/v1/sessions/{sid}").status_code == 404
 
 
+# --- frontends' own conversation ids -------------------------------------------------------------
+
+
+def test_a_client_chosen_id_is_kept_and_taken_once_per_tenant(http):
+    alice, bob = tenant("alice"), tenant("bob")
+    sid = f"chat-{uuid.uuid4()}"
+    made = http.post("/v1/sessions", json={"id": sid, "system_prompt": SYSTEM}, headers=alice)
+    assert made.status_code == 201 and made.json()["id"] == sid
+    again = http.post("/v1/sessions", json={"id": sid}, headers=alice)
+    assert again.status_code == 409 and again.json()["error"]["code"] == "session_exists"
+    assert http.post("/v1/sessions", json={"id": sid}, headers=bob).status_code == 201  # bob's own
+    assert http.get(f"/v1/sessions/{sid}", headers=alice).json()["system_prompt"] == SYSTEM
+    assert http.get(f"/v1/sessions/{sid}", headers=bob).json()["system_prompt"] is None
+
+
+@pytest.mark.parametrize("sid", ["", "a" * 129, "has space", "a/b", "ünï", 42])
+def test_a_bad_client_chosen_id_is_refused(http, sid):
+    r = http.post("/v1/sessions", json={"id": sid})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "id"
+    r = http.post("/v1/chat/completions", json={"messages": [user("Hi")], "session_id": sid, **GREEDY})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "session_id"
+
+
+def test_an_unknown_session_id_is_created_on_first_use(http, client, model_id, conversation):
+    """A frontend sends its own conversation id and the whole history each turn, as OpenAI clients do."""
+    sid = f"conv-{uuid.uuid4().hex}"
+    replies = []
+    for turn in range(2):
+        history = conversation.history(0)[:1]  # the system message
+        for q, a in zip(QUESTIONS[:turn], replies):
+            history += [user(q), {"role": "assistant", "content": a}]
+        r = client.chat.completions.create(model=model_id, messages=history + [user(QUESTIONS[turn])],
+                                           extra_body={"session_id": sid}, **GREEDY)
+        replies.append(r.choices[0].message.content)
+    assert replies == conversation.replies[:2]  # the same conversation as a session created first
+    assert r.usage.prompt_tokens_details.cached_tokens > 0
+    stored = http.get(f"/v1/sessions/{sid}").json()
+    assert stored["system_prompt"] == SYSTEM  # the first request's system message
+    assert [m["content"] for m in stored["messages"]] == conversation.turn_texts()[:4]
+
+
+def test_one_id_under_two_tenants_is_two_conversations(http):
+    alice, bob = tenant("alice"), tenant("bob")
+    sid = f"conv-{uuid.uuid4().hex}"
+    for who, question in ((alice, QUESTIONS[0]), (bob, QUESTIONS[1])):
+        r = http.post("/v1/chat/completions", json={"messages": [user(question)], "session_id": sid, **GREEDY},
+                      headers=who)
+        assert r.status_code == 200, r.text
+    for who, question in ((alice, QUESTIONS[0]), (bob, QUESTIONS[1])):
+        assert http.get(f"/v1/sessions/{sid}", headers=who).json()["messages"][0]["content"] == question
+    ambiguous = http.get(f"/admin/sessions/{sid}")  # the admin must say whose
+    assert ambiguous.status_code == 409 and ambiguous.json()["error"]["code"] == "session_ambiguous"
+    assert http.get(f"/admin/sessions/{sid}", params={"tenant": bob[TENANT]}).json()["session"]["tenant"] == bob[TENANT]
+    assert http.delete(f"/admin/sessions/{sid}", params={"tenant": alice[TENANT]}).json()["deleted"] is True
+    assert http.get(f"/v1/sessions/{sid}", headers=alice).status_code == 404
+    assert http.get(f"/admin/sessions/{sid}").json()["session"]["tenant"] == bob[TENANT]  # one owner left
+
+
 # --- tenancy --------------------------------------------------------------------------------------
 
 

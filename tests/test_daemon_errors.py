@@ -234,7 +234,6 @@ def test_bad_completion_is_refused(api, fields, param):
     ("GET", "/v1/sessions/{sid}", None),
     ("DELETE", "/v1/sessions/{sid}", None),
     ("POST", "/v1/sessions/{sid}/messages", {"content": "hi", "max_tokens": 1}),
-    ("POST", CHAT, chat(session_id="{sid}")),
     ("GET", "/admin/sessions/{sid}", None),
     ("DELETE", "/admin/sessions/{sid}", None),
 ])
@@ -274,8 +273,10 @@ def test_another_tenants_session_is_404(api):
         assert_error(api.get(f"/v1/sessions/{sid}", headers=who), 404, code="session_not_found")
         assert_error(api.post(f"/v1/sessions/{sid}/messages", json={"content": "hi", "max_tokens": 1}, headers=who),
                      404, code="session_not_found")
-        assert_error(api.post(CHAT, json=chat(session_id=sid), headers=who), 404, code="session_not_found")
         assert_error(api.delete(f"/v1/sessions/{sid}", headers=who), 404, code="session_not_found")
+    # A chat naming the id starts bob's own session of that id (created on first use), never alice's.
+    assert api.post(CHAT, json=chat(session_id=sid), headers=bob).status_code == 200
+    assert len(api.get(f"/v1/sessions/{sid}", headers=bob).json()["messages"]) == 2
     mine = api.get(f"/v1/sessions/{sid}", headers=alice)
     assert mine.status_code == 200 and mine.json()["messages"] == []
 
@@ -342,13 +343,15 @@ def short_root() -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def tuned_daemon() -> Iterator[Daemon]:
-    """A daemon of its own, started over a stale socket, with socket mode 0600 and a 64 KiB body limit."""
+    """A daemon of its own, started over a stale socket, with socket mode 0600, a 64 KiB body limit and no
+    sessions created on first use."""
     root = Path(tempfile.mkdtemp(prefix="kvtd-", dir="/tmp"))
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(root / "kvtierd.sock"))
     stale.close()  # the file stays, and nothing accepts on it: what a crashed daemon leaves
     assert stat.S_ISSOCK((root / "kvtierd.sock").lstat().st_mode)
-    d = start_daemon(root, env={"KVTIERD_SOCKET_MODE": "0600", "KVTIERD_MAX_BODY_BYTES": "64KiB"})
+    d = start_daemon(root, env={"KVTIERD_SOCKET_MODE": "0600", "KVTIERD_MAX_BODY_BYTES": "64KiB",
+                                "KVTIERD_SESSION_CREATE_ON_FIRST_USE": "false"})
     yield d
     try:
         assert d.stop() == 0, d.log_text()
@@ -364,6 +367,11 @@ def socket_mode(path: Path) -> int:
 
 def test_socket_mode_is_0660_by_default(daemon):
     assert socket_mode(daemon.socket) == 0o660
+
+
+def test_without_create_on_first_use_an_unknown_session_is_404(tuned_daemon):
+    with tuned_daemon.client() as api:
+        assert_error(api.post(CHAT, json=chat(session_id=f"conv-{uuid.uuid4().hex}")), 404, code="session_not_found")
 
 
 def test_socket_mode_from_the_environment(tuned_daemon):
