@@ -331,6 +331,15 @@ def test_an_unknown_session_id_is_created_on_first_use(http, client, model_id, c
     assert [m["content"] for m in stored["messages"]] == conversation.turn_texts()[:4]
 
 
+@pytest.mark.parametrize("messages", [[user("Hi"), {"role": "assistant", "content": "Hello"}],
+                                      [user("Hi"), {"role": "system", "content": "Be terse."}, user("Hi")]])
+def test_a_bad_first_request_creates_no_session(http, messages):
+    sid = f"conv-{uuid.uuid4().hex}"
+    r = http.post("/v1/chat/completions", json={"messages": messages, "session_id": sid, **GREEDY})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    assert http.get(f"/v1/sessions/{sid}").status_code == 404
+
+
 def test_one_id_under_two_tenants_is_two_conversations(http):
     alice, bob = tenant("alice"), tenant("bob")
     sid = f"conv-{uuid.uuid4().hex}"

@@ -196,11 +196,13 @@ def scratch(work: Path, checkout: Path, wheel: Path, deps_view: Path) -> Iterato
     for folder in ("opt", "usr/bin", "etc/systemd/system", "etc/sysusers.d", "etc/tmpfiles.d"):
         (root / folder).mkdir(parents=True)
     left = []
+    # `python3` is this environment's base interpreter, whose version the linked packages were built for.
+    env = {**CLEAN_ENV, "PATH": f"{Path(sys.base_prefix) / 'bin'}:{CLEAN_ENV['PATH']}"}
     for line in SERVICE[1:]:
         if line.startswith("systemctl "):
             left.append(line)
             continue
-        run(in_scratch(line, root, Path(sys.executable).parent), cwd=checkout)
+        run(in_scratch(line, root, Path(sys.executable).parent), cwd=checkout, env=env)
         if line.startswith("python3 -m venv "):
             see_deps(root / "opt" / "kvtierd", deps_view)
     yield root, left

@@ -35,6 +35,8 @@ from kvtierd.storage.session_store import MessageRecord, SessionRecord
 
 log = logging.getLogger(__name__)
 
+ADD_A_USER_MESSAGE = "a session request must add a user message after the stored history"
+
 
 @dataclass(frozen=True, slots=True)
 class Turn:
@@ -81,6 +83,8 @@ async def prepare_chat_turn(
     tok = state.loaded.tokenizer
     if session_id is None:
         return Turn(tok.encode_chat(messages))
+    if messages[-1]["role"] != "user" or any(m["role"] == "system" for m in messages[1:]):
+        raise bad_request(ADD_A_USER_MESSAGE, param="messages")  # before a session is created on first use
     session, records = await chat_session(state, tenant, session_id, messages)
     history = session_history(session, records)
     supersede_from = None
@@ -98,7 +102,7 @@ async def prepare_chat_turn(
     else:
         full, new = history + messages, messages
     if not new or new[-1]["role"] != "user" or any(m["role"] == "system" for m in new):
-        raise bad_request("a session request must add a user message after the stored history", param="messages")
+        raise bad_request(ADD_A_USER_MESSAGE, param="messages")
     earlier = tuple((m["role"], m["content"]) for m in new[:-1])
     turn = session_turn(state, tenant, session_id, full, max_tokens, supersede_from, earlier)
     return replace(turn, qos_class=session.qos_class)

@@ -49,7 +49,7 @@ def _as_api_error(e: Exception) -> ApiError | None:
     if isinstance(e, SessionNotFoundError):
         return ApiError(404, f"no session {e.args[0]!r}", code="session_not_found")
     if isinstance(e, SessionExistsError):
-        return ApiError(409, f"you already have a session {e.args[0]!r}", param="id", code="session_exists")
+        return ApiError(409, f"this tenant already has a session {e.args[0]!r}", param="id", code="session_exists")
     if isinstance(e, StoreArgumentError):
         return bad_request(str(e))
     if isinstance(e, StoreUnavailableError):

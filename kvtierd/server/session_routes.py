@@ -120,8 +120,11 @@ async def drop_session_kv(request: web.Request, session: SessionRecord) -> int:
 async def session_tenant(state: DaemonState, sid: str, tenant: str | None, param: str | None = None) -> str:
     """Whose session `sid` is: `tenant` when the admin named one, else its one owner. Frontends choose
     their ids, so two tenants may share one: then the admin must name the tenant (409)."""
-    owners = [tenant] if tenant else await state.db(state.store.tenants_of, sid)
-    if not owners or (tenant and await state.db(state.store.get_session, tenant, sid) is None):
+    if tenant:
+        owners = [tenant] if await state.db(state.store.get_session, tenant, sid) else []
+    else:
+        owners = await state.db(state.store.tenants_of, sid)
+    if not owners:
         raise ApiError(404, f"no session {sid!r}", param=param, code="session_not_found")
     if len(owners) > 1:
         raise ApiError(409, f"tenants {', '.join(owners)} each have a session {sid!r}: name the tenant",
