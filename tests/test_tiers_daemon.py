@@ -123,7 +123,8 @@ def test_startup_reconciles_the_disk_tier_with_the_chunk_catalog_and_warms_recen
         # row appears that names a chunk the disk never held.
         sql(first, "DELETE FROM sessions WHERE id = ?", dropped)
         store = sql(first, "SELECT store FROM session_chunks LIMIT 1")[0][0]
-        sql(first, "INSERT INTO session_chunks VALUES (?, ?, ?, '2026-12-01 00:00:00')", kept, store, b"\0" * 16)
+        sql(first, "INSERT INTO session_chunks (tenant, session_id, store, chunk_key, created_at) "
+                   "VALUES ('root', ?, ?, ?, '2026-12-01 00:00:00')", kept, store, b"\0" * 16)
 
         second = start_daemon(Path(root), env=ENV)
         try:
