@@ -72,6 +72,14 @@ def count_messages(url: str, session_id: str) -> int:
 # --- migrations ---------------------------------------------------------------------------
 
 
+def migrate_to(store_url: str, revision: str) -> None:
+    """An empty database at an older schema (its SQLite file's folder made first: only SessionStore makes it)."""
+    sqlite_file = sa.make_url(store_url).database
+    if store_url.startswith("sqlite") and sqlite_file:
+        Path(sqlite_file).parent.mkdir(parents=True)
+    command.upgrade(alembic_config(store_url), revision)
+
+
 def test_migrations_create_the_tables_and_rerunning_is_a_no_op(store_url: str) -> None:
     sqlite_file = sa.make_url(store_url).database
     if store_url.startswith("sqlite") and sqlite_file:
@@ -115,10 +123,7 @@ def test_migrations_create_the_tables_and_rerunning_is_a_no_op(store_url: str) -
 def test_upgrading_a_0004_store_through_the_store_keeps_every_row(store_url: str) -> None:
     """The store migrates on its own connection, where SQLite enforces foreign keys (a careless rebuild of
     `sessions` would cascade-delete every message)."""
-    sqlite_file = sa.make_url(store_url).database
-    if store_url.startswith("sqlite") and sqlite_file:
-        Path(sqlite_file).parent.mkdir(parents=True)
-    command.upgrade(alembic_config(store_url), "0004")
+    migrate_to(store_url, "0004")
     engine = sa.create_engine(store_url)
     try:
         with engine.begin() as conn:
@@ -157,10 +162,7 @@ def test_downgrading_to_0004_refuses_ids_two_tenants_share(store_url: str) -> No
 
 
 def test_upgrading_a_0001_store_keeps_its_messages_and_allows_superseded(store_url: str) -> None:
-    sqlite_file = sa.make_url(store_url).database
-    if store_url.startswith("sqlite") and sqlite_file:
-        Path(sqlite_file).parent.mkdir(parents=True)
-    command.upgrade(alembic_config(store_url), "0001")
+    migrate_to(store_url, "0001")
     engine = sa.create_engine(store_url)
     try:
         with engine.begin() as conn:
