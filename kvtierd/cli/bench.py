@@ -258,8 +258,8 @@ def bench_qos(
     low_reply: Annotated[int, typer.Option(help="Tokens of each low-priority reply.")] = 64,
     kv_cache: Annotated[str, typer.Option(help="The daemons' device KV pool.")] = "128MiB",
     step_budget: Annotated[str, typer.Option(help="The qos run's [qos] step_budget_ms.")] = "high=auto,normal=auto",
-    runs: Annotated[str, typer.Option(help="Runs, comma-separated: unloaded, qos, no budget, no qos.")] = (
-        "unloaded,qos,no budget,no qos"),
+    runs: Annotated[str, typer.Option(help="Runs, comma-separated, of: unloaded, qos, no budget, no qos "
+                                      "(high queued behind the flood: minutes).")] = "unloaded,qos,no budget",
     json_path: JsonOpt = None,
 ) -> None:
     """High-priority TTFT and ITL under a low-priority flood, through real daemons and clients on the socket:
@@ -307,7 +307,7 @@ def bench_qos(
     share = f.get("low_throughput_share")
     typer.echo(f"targets (qos run): TTFT p95 <= {t['ttft_p95_x']:g}x unloaded: {met('ttft_target_met')}; ITL p95 <= "
                f"{t['itl_p95_x']:g}x unloaded: {met('itl_target_met')}; low throughput "
-               f"{'-' if share is None else f'{share:.0%}'} of no qos's (>= {t['low_throughput_share']:.0%}): "
+               f"{'-' if share is None else f'{share:.0%}'} of no budget's (>= {t['low_throughput_share']:.0%}): "
                f"{met('throughput_target_met')}; request errors: {errors}")
     write_json(json_path, f)
 
