@@ -16,9 +16,12 @@ writes. Full pages are indexed as soon as their tokens are computed
 idle cached page goes first when pages run out is the pool's eviction policy.
 
 With lower tiers (`kvtierd/tiers`), the tenant's index hit is extended by the
-chunks stored in the host or disk tier that continue it: `find_prefix` plans
-them, `adopt_prefix` loads them into fresh pages, indexes those and reports
-the tokens by tier. Pages evicted for capacity are saved below by
+chunks stored in the host or disk tier that continue it: `find_prefix` finds
+them; the scheduler loads them in two phases (`begin_load` takes fresh pages
+and submits the loads to the transfer workers, `load_ready` / `finish_load`
+index them once they arrived, `cache/loading.py`), then adopts them like any
+cached page; `adopt_prefix` given such a hit loads them before returning
+(tools and benchmarks, never the step). Pages evicted for capacity are saved below by
 `demote_evicted` before anything writes into them; a session's finished turn
 is written through to disk (`write_through`), and `flush_below` writes what
 should outlive a restart. An invalidation reaches the lower tiers too: a
@@ -46,18 +49,19 @@ import logging
 import time
 from array import array
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from kvtierd.cache.block_hash import BlockHash, hash_full_blocks, rebase
 from kvtierd.cache.block_pool import BlockPool
 from kvtierd.cache.compaction import CompactionPlan, plan_compaction, rename_pages
+from kvtierd.cache.loading import LoadTicket, Loading
 from kvtierd.cache.fragmentation import Fragmentation, PageUse, measure, page_use
 from kvtierd.cache.page_table import PageTable
 from kvtierd.cache.pins import Pin, PinBudgetError, PinError, Pins
 from kvtierd.cache.reserved_region import ReservedRegion
 from kvtierd.cache.session_pool import SessionChain, SessionKey, SessionPools
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, FoundChunk, spans_of
-from kvtierd.tiers.restore_planner import NOTHING_BELOW, ChunkCost, RestorePlan
+from kvtierd.tiers.restore_planner import NOTHING_BELOW, RestorePlan
 from kvtierd.tiers.tier_manager import PIN_TIERS, TierManager, TierPinError
 
 
@@ -98,6 +102,7 @@ class PrefixHit:
 
 
 NO_HIT = PrefixHit([], [], 0)
+LOAD_POLL_S = 0.05  # the longest an engine with nothing but loads to wait for sleeps before looking again
 
 
 class KVCacheManager:
@@ -128,6 +133,8 @@ class KVCacheManager:
         self.pins = Pins(self.pool, pin_budget_pages, clock)
         self._clock = clock
         self._tables: dict[str, PageTable] = {}
+        self.loading = Loading(self.pool, tiers, block_size) if tiers is not None else None
+        self._invalidations = 0  # a load begun before an invalidation indexes nothing
 
     @property
     def num_free_blocks(self) -> int:
@@ -175,11 +182,13 @@ class KVCacheManager:
 
     # -- finding and adopting cached KV ---------------------------------------------------
 
-    def find_prefix(self, root: BlockHash, token_ids: Sequence[int], session_id: str | None = None) -> PrefixHit:
+    def find_prefix(self, root: BlockHash, token_ids: Sequence[int], session_id: str | None = None,
+                    below: bool = True) -> PrefixHit:
         """The longest cached start of `token_ids`, leaving at least one token to
         compute (its logits give the next token): from the session's pool (to the
-        token), the tenant's prefix index or the public one (whole pages)."""
-        best = self._index_hit(root, token_ids)
+        token), the tenant's prefix index or the public one (whole pages). `below`: the
+        tenant's index hit is extended by the chunks the lower tiers hold."""
+        best = self._index_hit(root, token_ids, below)
         if self.public_root is not None and root != self.public_root and self.pool.has_namespace(self.public_root):
             public = self._public_hit(root, token_ids)
             if public.num_tokens > best.num_tokens:
@@ -197,9 +206,9 @@ class KVCacheManager:
         blocks = self.pool.lookup(hashes, [token_ids[i * bs : (i + 1) * bs] for i in range(n)])
         return blocks, hashes[: len(blocks)]
 
-    def _index_hit(self, root: BlockHash, token_ids: Sequence[int]) -> PrefixHit:
+    def _index_hit(self, root: BlockHash, token_ids: Sequence[int], below: bool = True) -> PrefixHit:
         usable = token_ids[: len(token_ids) - 1]
-        if self.tiers is None:
+        if self.tiers is None or not below:
             blocks, hashes = self._lookup(root, usable)
             return PrefixHit(blocks, hashes, len(blocks) * self.block_size, "prefix" if blocks else "none",
                              own_from=len(blocks))
@@ -242,60 +251,62 @@ class KVCacheManager:
                          min(chain.public_blocks, full), min(chain.own_from, full))
 
     def adopt_prefix(self, seq_id: str, hit: PrefixHit, tag: str | None = None, high: bool = False) -> PrefixHit:
-        """Starts `seq_id`'s page table with the hit's pages (shared, read-only), after loading its
-        chunks from the lower tiers into fresh pages. Returns what was adopted: less than planned when
-        a chunk finds no free pages or is gone from its tier (the rest is computed instead)."""
+        """Starts `seq_id`'s page table with the hit's pages (shared, read-only). A hit with chunks below is
+        loaded first, blocking (tools and benchmarks; the scheduler loads in two phases, `begin_load`).
+        Returns what was adopted: less than found when a chunk finds no free pages or is gone from its tier
+        (the rest is computed instead)."""
         assert seq_id not in self._tables, f"sequence {seq_id} already has pages"
-        self.pool.touch(hit.block_ids, high)
         if hit.below:
-            hit = self._promote(hit, high)
+            hit = self._load_now(seq_id, hit, high)
+        self.pool.touch(hit.block_ids, high)
         if tag is not None:
             self.pool.tag(hit.block_ids, tag)
         self._tables[seq_id] = PageTable(self.block_size, list(hit.block_ids), hit.num_tokens,
                                          list(hit.block_hashes), hit.public_blocks, hit.own_from, high)
         return hit
 
-    def _promote(self, hit: PrefixHit, high: bool) -> PrefixHit:
-        """Loads a planned hit's chunks after its device pages, each into fresh pages it indexes: as many as
-        the restore planner finds cheaper to load than to recompute."""
-        assert self.tiers is not None
-        block_ids, hashes = list(hit.block_ids), list(hit.block_hashes)
-        plan = self.tiers.planner.plan(self._restore_costs(len(block_ids), hit.below))
-        by_tier: dict[str, int] = {}
-        for found in hit.below[: plan.num_chunks]:
-            span = found.span
-            skip = len(block_ids) - span.first_page  # pages of it the device had (the first chunk only)
-            fresh = self.pool.allocate(span.num_pages - skip, high)
-            if fresh is None:
-                break
-            self.demote_evicted()  # the allocation may have evicted pages: save them before they are overwritten
-            tier = self.tiers.load(found, skip, fresh)
-            if tier is None:
-                self.pool.release(fresh, high)
-                break
-            for i, b in enumerate(fresh, start=skip):
-                depth = span.first_page + i
-                self.pool.cache(b, span.block_hashes[i], span.page_tokens(i), span.namespace, depth,
-                                hashes[-1] if depth else None)
-                if self.pool.page_info(b) is not None:  # asked for again: reused, for eviction and disk admission
-                    self.pool.hits[b] = 1
-                hashes.append(span.block_hashes[i])
-            block_ids += fresh
-            by_tier[tier] = by_tier.get(tier, 0) + len(fresh) * self.block_size
+    def _load_now(self, seq_id: str, hit: PrefixHit, high: bool) -> PrefixHit:
+        plan = self.begin_load(seq_id, hit, high)
+        if seq_id not in self.loading:
+            return replace(on_device(hit, self.block_size), restore=plan)
+        while not self.load_ready(seq_id):
+            self.loading.wait(LOAD_POLL_S)
+        ticket = self.finish_load(seq_id)
         # Loaded pages count as this sequence's own: a session that brought them back may drop them.
-        return PrefixHit(block_ids, hashes, len(block_ids) * self.block_size, "prefix" if block_ids else "none",
-                         own_from=len(hit.block_ids), tokens_by_tier=by_tier, restore=plan)
+        return PrefixHit(ticket.chain_blocks, ticket.chain_hashes, len(ticket.chain_blocks) * self.block_size,
+                         "prefix" if ticket.chain_blocks else "none", own_from=len(hit.block_ids),
+                         tokens_by_tier=ticket.tokens_by_tier, restore=ticket.plan)
 
-    def _restore_costs(self, on_device: int, below: Sequence[FoundChunk]) -> list[ChunkCost]:
-        """What loading each found chunk would copy, and what computing it would take, past the device's pages."""
-        assert self.tiers is not None
-        costs = []
-        for found in below:
-            pages = found.span.first_page + found.span.num_pages - max(on_device, found.span.first_page)
-            on_device = found.span.first_page + found.span.num_pages
-            costs.append(ChunkCost(found.tier, pages * self.tiers.bytes_per_page,
-                                   pages * self.block_size))
-        return costs
+    # -- two-phase loads (cache/loading.py) ----------------------------------------------------
+
+    def begin_load(self, seq_id: str, hit: PrefixHit, high: bool = False) -> RestorePlan:
+        """Starts loading the chunks of `hit` found below, as many as the restore planner finds cheaper than
+        recomputing and pages allow; `seq_id` is loading (`seq_id in loading`) unless none was started.
+        Returns the plan."""
+        if self.loading is None or not hit.below:
+            return NOTHING_BELOW
+        return self.loading.begin(seq_id, hit.block_ids, hit.block_hashes, hit.below, high, self._invalidations,
+                                  self.demote_evicted)
+
+    def load_ready(self, seq_id: str) -> bool:
+        """Its loads have all finished, or its deadline passed: `finish_load` it, then adopt its prefix."""
+        return self.loading.ready(seq_id)
+
+    def finish_load(self, seq_id: str) -> LoadTicket:
+        """Indexes what a ready sequence loaded and lets go of the pages it held (the adoption that follows
+        takes them from the index)."""
+        return self.loading.finish(seq_id, self._invalidations)
+
+    def wait_for_loads(self, timeout_s: float = LOAD_POLL_S) -> None:
+        """Blocks until a load finishes, a loading sequence's deadline passes, or `timeout_s` (an engine with
+        nothing else to do)."""
+        if self.loading is not None:
+            self.loading.wait(timeout_s)
+
+    def reap_loads(self) -> None:
+        """Takes back the pages of abandoned loads that have finished; call between steps."""
+        if self.loading is not None:
+            self.loading.reap()
 
     def prefetch(self, root: BlockHash, token_ids: Sequence[int]) -> None:
         """Starts moving a prompt's chunks that sit below the host tier up to it, before its request is
@@ -446,6 +457,7 @@ class KVCacheManager:
         chain = self.sessions.forget(key)
         if chain is None:
             return 0
+        self._invalidations += 1
         if self.tiers is not None:
             self.tiers.forget(chain.block_hashes[chain.own_from :])
         return self._drop_chain(chain)
@@ -507,6 +519,7 @@ class KVCacheManager:
 
     def _invalidate_below(self) -> None:
         # The lower tiers know no namespaces or tags: all they hold goes (a session's chunks go by key).
+        self._invalidations += 1
         if self.tiers is not None:
             self.tiers.invalidate_all()
 
@@ -631,7 +644,17 @@ class KVCacheManager:
         )
 
     def free(self, seq_id: str) -> None:
-        """Returns a sequence's pages; a no-op for a sequence that holds none."""
+        """Returns a sequence's pages, and abandons its loads; a no-op for a sequence that holds none."""
+        if self.loading is not None:
+            self.loading.cancel(seq_id)
         table = self._tables.pop(seq_id, None)
         if table is not None:
             self.pool.release(table.block_ids, table.high)
+
+
+def on_device(hit: PrefixHit, block_size: int) -> PrefixHit:
+    """A hit without the chunks found below: its device pages only."""
+    if not hit.below:
+        return hit
+    n = len(hit.block_ids)
+    return replace(hit, num_tokens=n * block_size, source=hit.source if n else "none", below=[])

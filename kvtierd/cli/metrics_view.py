@@ -71,6 +71,16 @@ class Latency:
 
 
 @dataclass(frozen=True, slots=True)
+class TransferView:
+    tier: str
+    direction: str  # load or store
+    count: int  # transfers in the window
+    p50_s: float | None
+    p95_s: float | None
+    bytes_per_s: float  # KV bytes moved in the window / the window
+
+
+@dataclass(frozen=True, slots=True)
 class TopView:
     uptime_s: float
     window_s: float
@@ -90,6 +100,10 @@ class TopView:
     evictions: dict[str, int]  # reason -> pages in the window
     errors: dict[str, int]  # status class -> responses in the window
     ttft: list[Latency]
+    loading: int = 0  # requests waiting for their prefix to load from below
+    transfers_in_flight: int = 0
+    loads_past_deadline: int = 0  # in the window: requests that recomputed instead of waiting longer
+    transfers: list[TransferView] | None = None
 
 
 def top_view(cur: Scrape, prev: Scrape | None = None) -> TopView:
@@ -116,6 +130,20 @@ def top_view(cur: Scrape, prev: Scrape | None = None) -> TopView:
         return Latency(priority, round(delta("kvtierd_ttft_seconds_count", priority=priority)),
                        histogram_quantile(0.5, buckets), histogram_quantile(0.95, buckets))
 
+    def window_buckets(name: str, **labels: str) -> list[tuple[float, float]]:
+        before = dict(base.buckets(name, **labels))
+        return [(bound, count - before.get(bound, 0.0)) for bound, count in cur.buckets(name, **labels)]
+
+    def transfer(tier: str, direction: str) -> TransferView:
+        buckets = window_buckets("kvtierd_transfer_seconds", tier=tier, direction=direction)
+        moved = delta("kvtierd_transfer_bytes_total", tier=tier, direction=direction)
+        return TransferView(tier, direction, round(delta("kvtierd_transfer_seconds_count", tier=tier,
+                                                         direction=direction)),
+                            histogram_quantile(0.5, buckets), histogram_quantile(0.95, buckets),
+                            moved / window if window > 0 else 0.0)
+
+    kinds = dict.fromkeys((dict(ls)["tier"], dict(ls)["direction"]) for n, ls in cur.samples
+                          if n == "kvtierd_transfer_seconds_count")
     return TopView(
         uptime_s=uptime, window_s=window, since_start=since_start,
         running=round(cur.value("kvtierd_engine_requests", state="running")),
@@ -138,4 +166,8 @@ def top_view(cur: Scrape, prev: Scrape | None = None) -> TopView:
         errors={c: round(delta("kvtierd_http_errors_total", status_class=c))
                 for c in cur.label_values("kvtierd_http_errors_total", "status_class")},
         ttft=[ttft(p) for p in cur.label_values("kvtierd_ttft_seconds_count", "priority")],
+        loading=round(cur.value("kvtierd_engine_requests", state="loading")),
+        transfers_in_flight=round(cur.value("kvtierd_transfers_in_flight")),
+        loads_past_deadline=round(delta("kvtierd_loads_past_deadline_total")),
+        transfers=[transfer(tier, direction) for tier, direction in kinds],
     )

@@ -57,7 +57,7 @@ def render_top(v: TopView) -> RenderableType:
     traffic.add_column("Field", style="bold", no_wrap=True)
     traffic.add_column("Value")
     traffic.add_row("Requests", f"{v.requests_total:,} total · {v.requests_per_s:.2f}/s · {v.running} running · "
-                                f"{v.waiting} waiting · {v.active_streams} streaming")
+                                f"{v.waiting} waiting · {v.loading} loading · {v.active_streams} streaming")
     traffic.add_row("Tokens/s", f"prompt {v.prompt_tokens_per_s:,.1f} · generated {v.generated_tokens_per_s:,.1f}")
     traffic.add_row("Hit rate", _pairs({k: _pct(r) for k, r in v.hit_rate_by_tier.items()}) + "   by source: "
                     + _pairs({k: _pct(r) for k, r in v.hit_rate_by_source.items()}))
@@ -74,7 +74,14 @@ def render_top(v: TopView) -> RenderableType:
         ttft.add_column(name, justify="left" if name == "priority" else "right")
     for row in v.ttft:
         ttft.add_row(row.priority, f"{row.count:,}", _latency(row.p50_s), _latency(row.p95_s))
-    return Group(title, traffic, Text(), ttft)
+    transfers = Table(title=f"Transfers  ({v.transfers_in_flight} in flight · {v.loads_past_deadline} loads "
+                            "past their deadline, recomputed)", title_justify="left", box=None, padding=(0, 2))
+    for name in ("tier", "direction", "chunks", "p50", "p95", "MB/s"):
+        transfers.add_column(name, justify="left" if name in ("tier", "direction") else "right")
+    for t in v.transfers or []:
+        transfers.add_row(t.tier, t.direction, f"{t.count:,}", _latency(t.p50_s), _latency(t.p95_s),
+                          f"{t.bytes_per_s / 1e6:,.1f}")
+    return Group(title, traffic, Text(), ttft, Text(), transfers)
 
 
 def _bar(pages: dict[str, int]) -> Text:

@@ -62,6 +62,17 @@ class StepStats:
     total_s: float  # the whole step, scheduling and sampling included
 
 
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What handlers on the event loop may read at any time: taken by the step thread between steps."""
+
+    running: int = 0
+    waiting: int = 0
+    loading: int = 0  # waiting for their prefix to load from below
+    used_pages: int = 0
+    high_pages: int = 0
+
+
 class LLMEngine:
     def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None) -> None:
         self.config = config = config or EngineConfig()
@@ -91,6 +102,7 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         self.counters = EngineCounters()
+        self.snapshot = EngineSnapshot()
         self._ids = itertools.count()
 
     # -- requests -------------------------------------------------------------
@@ -152,6 +164,7 @@ class LLMEngine:
             self.kv.prefetch(req.cache_root, req.prompt_token_ids)  # chunks on disk or remote start moving up now
         self.counters.requests += 1
         self.counters.prompt_tokens += req.num_prompt_tokens
+        self._take_snapshot()
         return request_id
 
     def abort_request(self, request_id: str) -> None:
@@ -161,6 +174,7 @@ class LLMEngine:
             req.finish_reason = FinishReason.ABORT
             self._keep_session(req)  # what it computed is valid KV for the session's next turn
             self.scheduler.remove(req)
+            self._take_snapshot()
 
     def _keep_session(self, req: Request) -> None:
         if req.session_id is not None and self.config.enable_prefix_caching:
@@ -217,6 +231,17 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        try:
+            return self._step()
+        finally:
+            self._take_snapshot()
+
+    def _take_snapshot(self) -> None:
+        s, pool = self.scheduler, self.kv.pool
+        self.snapshot = EngineSnapshot(len(s.running), len(s.waiting), len(s.loading), pool.num_used_blocks,
+                                       pool.num_high_blocks)
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         self.kv.expire()  # bounded; a lookup also refuses an expired page by itself
         plan = self.scheduler.schedule()
@@ -226,6 +251,8 @@ class LLMEngine:
         rejected = [self._reject(r, FinishReason.REJECTED) for r in plan.rejected] + \
             [self._reject(r, FinishReason.SHED) for r in plan.shed]
         if plan.empty:
+            if self.scheduler.loading:  # nothing to compute until a load arrives: wait for one, not spin
+                self.kv.wait_for_loads()
             return rejected
         t1 = time.perf_counter()
         sample_idx, logits = self.runner.execute(plan)

@@ -75,6 +75,7 @@ class Request:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
     num_preemptions: int = 0
+    prefix_loaded: bool = False  # its prefix was loaded from below for this admission: recompute what did not come
     prompt_block_hashes: list[BlockHash] | None = None  # computed once, on first admission
 
     def __post_init__(self) -> None:

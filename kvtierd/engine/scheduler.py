@@ -12,6 +12,14 @@ one) and computes only the rest. A lower-class request cannot take the
 reserved region's pages; when it finds no room, its class waits this step and
 the others may still go.
 
+Loading: a request whose prefix is found below the device (host, disk,
+remote) leaves the queue while its chunks load on the transfer workers
+(`cache/loading.py`); the steps go on with everyone else. Each step looks at
+the loading requests first: one whose loads all arrived (or whose deadline,
+the planner's recompute estimate, passed) goes back to the head of its
+tenant's queue and is admitted with the loaded pages as its cached prefix,
+recomputing what did not arrive.
+
 Preemption: when pages run out for a running request, the lowest-class, most
 recently admitted one goes (the end of `running`). Before that, a waiting
 request that outranks running ones and would not fit takes their room: the
@@ -43,7 +51,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import BlockHash, hash_full_blocks
-from kvtierd.cache.kv_cache_manager import NO_HIT, Allocation, KVCacheManager
+from kvtierd.cache.kv_cache_manager import NO_HIT, Allocation, KVCacheManager, on_device
 from kvtierd.engine.config import QOS_CLASSES, QosConfig
 from kvtierd.engine.qos_queue import QosQueue, TenantKey
 from kvtierd.engine.request import Request
@@ -54,6 +62,7 @@ RANK = {c: i for i, c in enumerate(QOS_CLASSES)}  # 0: high
 # request), so lower classes at most double it. It does not grow with the top class's own work: a busy top class
 # leaves less to the others, never more, or its latency would feed on itself.
 AUTO_BUDGET_FACTOR = 2.0
+LOADING = -1  # what `_admit` returns for a request that started loading its prefix instead
 
 
 @dataclass(slots=True)
@@ -119,6 +128,7 @@ class Scheduler:
         self._last_present: dict[str, float] = {}  # class -> when a request of it was last waiting or running
         self.waiting = QosQueue(qos.weights, qos.aging_s, clock)
         self.running: list[Request] = []  # highest class first, then in admission order
+        self.loading: list[Request] = []  # out of the queue while their prefix loads from below
 
     def add(self, request: Request) -> None:
         self.waiting.add(request)
@@ -127,13 +137,16 @@ class Scheduler:
         """Drops a finished or aborted request and frees its pages at once."""
         if request in self.running:
             self.running.remove(request)
+        elif request in self.loading:
+            self.loading.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv.free(request.request_id)
+        self.kv.free(request.request_id)  # a loading request's loads are abandoned
 
     def schedule(self) -> StepPlan:
         plan = StepPlan(rejected=self.waiting.timed_out(self.max_queue_s),
                         shed=self.waiting.shed_low(self.shed_low_after_s))
+        self._collect_loaded()
         room = _StepRoom(self.max_num_batched_tokens, self._top_class())
         first = self._make_room_for_waiting(plan, room.tokens)
         # Admitted before the running ones are served, or they would take the room just made (one of a class
@@ -185,6 +198,8 @@ class Scheduler:
                 deferred.add((req.qos_class, req.cache_root))  # its prefix is being computed: wait and reuse it
                 continue
             n = self._admit(req, plan, room)
+            if n == LOADING:
+                continue
             if n == 0:
                 return  # the step's time is spent
             if n is None:
@@ -198,8 +213,12 @@ class Scheduler:
 
     def _admit(self, req: Request, plan: StepPlan, room: _StepRoom) -> int | None:
         """Starts a waiting request with its cached prefix and first chunk; the tokens it took, or (nothing
-        changes) None when its class finds no room, 0 when the step's time is spent."""
-        self._adopt_cached_prefix(req)
+        changes) None when its class finds no room, 0 when the step's time is spent, LOADING when its
+        prefix started loading from below (it left the queue until it is loaded)."""
+        if not self._adopt_cached_prefix(req):
+            self.waiting.remove(req)
+            self.loading.append(req)
+            return LOADING
         n = self._num_new_tokens(req, plan, room)
         alloc = self.kv.allocate_slots(req.request_id, n, req.high) if n else None
         if alloc is None:
@@ -290,17 +309,37 @@ class Scheduler:
         return {h for r in self.running if r.num_computed_tokens < r.num_prompt_tokens
                 for h in self._pending_prompt_hashes(r)}
 
-    def _adopt_cached_prefix(self, req: Request) -> None:
-        hit = self.kv.find_prefix(req.cache_root, req.token_ids, req.session_id) if self.enable_prefix_caching \
-            else NO_HIT
-        hit = self.kv.adopt_prefix(req.request_id, hit, req.tag, req.high)  # loads what the lower tiers hold
+    def _adopt_cached_prefix(self, req: Request) -> bool:
+        """Starts `req`'s page table with its cached prefix; False (and nothing adopted) when its prefix
+        started loading from below instead."""
+        kv, restore, by_tier = self.kv, None, {}
+        if kv.loading is not None and req.request_id in kv.loading:  # loaded (or its deadline passed)
+            ticket = kv.finish_load(req.request_id)
+            restore, by_tier = ticket.plan, ticket.tokens_by_tier
+            req.prefix_loaded = True
+        hit = kv.find_prefix(req.cache_root, req.token_ids, req.session_id, below=not req.prefix_loaded) \
+            if self.enable_prefix_caching else NO_HIT
+        if hit.below:
+            restore = kv.begin_load(req.request_id, hit, req.high)
+            if req.request_id in kv.loading:
+                return False
+            hit = on_device(hit, kv.block_size)
+        hit = kv.adopt_prefix(req.request_id, hit, req.tag, req.high)
         req.num_computed_tokens = hit.num_tokens
         if req.num_cached_tokens < 0:  # what the client is told: the first admission's hit
             req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
             req.cache_source = hit.source
-            req.tokens_from_below = hit.tokens_by_tier
-            req.restore = hit.restore
+            req.tokens_from_below = by_tier
+            req.restore = restore or hit.restore
             req.first_scheduled_time = time.monotonic()
+        return True
+
+    def _collect_loaded(self) -> None:
+        """Requests whose loads arrived (or whose deadline passed) go back to the head of their queue."""
+        self.kv.reap_loads()
+        for req in [r for r in self.loading if self.kv.load_ready(r.request_id)]:
+            self.loading.remove(req)
+            self.waiting.add(req, front=True)
 
     def _add_to_plan(self, plan: StepPlan, room: _StepRoom, s: ScheduledRequest) -> None:
         # Any single new token attends like a decode, whatever its phase.
@@ -311,5 +350,6 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.prefix_loaded = False  # what it lost may be below now: its next admission may load it
         req.num_preemptions += 1
         self.waiting.add(req, front=True)

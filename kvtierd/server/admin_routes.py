@@ -25,6 +25,7 @@ def engine_status(state: DaemonState) -> dict:
         "attention_backend": state.loaded.model.attention.name,
         "running": len(eng.scheduler.running),
         "waiting": len(eng.scheduler.waiting),
+        "loading": len(eng.scheduler.loading),
         "block_size": eng.config.block_size,
         "num_blocks": pool.num_blocks,
         "free_blocks": pool.num_free_blocks,
@@ -78,7 +79,7 @@ async def status(request: web.Request) -> web.Response:
                   "num_layers": lm.config.num_layers, "device": str(lm.model.device),
                   "dtype": str(lm.model.dtype).removeprefix("torch."),
                   "context_window": state.engine.engine.max_model_len},
-        "engine": engine_status(state),
+        "engine": await state.engine.call(lambda: engine_status(state)),  # between two steps
         "draining": state.draining,
     })
 
@@ -86,13 +87,18 @@ async def status(request: web.Request) -> web.Response:
 @routes.get("/admin/tiers")
 async def tiers(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    # On the engine thread between two steps: the pool's structures are the step's to edit.
+    return web.json_response(await state.engine.call(lambda: tiers_json(state)))
+
+
+def tiers_json(state: DaemonState) -> dict:
     eng = state.engine.engine
     pool = eng.kv.pool
     c = eng.counters
     page_bytes = eng.geometry.bytes_per_block
     idle_cached = len(pool.idle_cached_blocks())
-    device_hits = c.cached_tokens - c.host_tokens - c.disk_tokens
-    return web.json_response({"tiers": [{
+    device_hits = c.cached_tokens - c.host_tokens - c.disk_tokens - c.remote_tokens
+    return {"tiers": [{
         "name": "device",
         "capacity_bytes": pool.num_blocks * page_bytes,
         "used_bytes": pool.num_used_blocks * page_bytes,
@@ -108,7 +114,7 @@ async def tiers(request: web.Request) -> web.Response:
         "enabled": True,
         "healthy": True,
     }] + [lower_tier_json(t, c.prompt_tokens, eng.tiers.chunk_pages, state.reconciliation)
-          for t in eng.tier_stats()]})
+          for t in eng.tier_stats()]}
 
 
 def lower_tier_json(t: TierStats, query_tokens: int, chunk_pages: int,

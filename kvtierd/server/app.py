@@ -20,9 +20,9 @@ health_routes = web.RouteTableDef()
 @health_routes.get("/healthz")
 async def healthz(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    eng = state.engine.engine
-    return web.json_response({"status": "ok", "model": state.model_id,
-                              "running": len(eng.scheduler.running), "waiting": len(eng.scheduler.waiting)})
+    snap = state.engine.engine.snapshot  # taken between steps: never the scheduler's lists while a step edits them
+    return web.json_response({"status": "ok", "model": state.model_id, "running": snap.running,
+                              "waiting": snap.waiting, "loading": snap.loading})
 
 
 ROUTE_TABLES = (chat_routes.routes, session_routes.routes, admin_routes.routes, prefix_routes.routes, pin_routes.routes,

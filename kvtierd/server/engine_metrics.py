@@ -11,12 +11,13 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import asdict
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from kvtierd.engine.llm_engine import LLMEngine
 from kvtierd.server.chunk_catalog import CatalogReconciliation
 from kvtierd.server.state import ServerCounters
 from kvtierd.tiers.tier_manager import TierManager
+from kvtierd.tiers.transfer import TRANSFER_BUCKETS_S
 
 TIER = "device"
 
@@ -45,6 +46,7 @@ def _families(eng: LLMEngine, server: ServerCounters, uptime_s: float) -> Iterat
     requests = GaugeMetricFamily("kvtierd_engine_requests", "Requests in the engine now, by state.", labels=["state"])
     requests.add_metric(["running"], len(eng.scheduler.running))
     requests.add_metric(["waiting"], len(eng.scheduler.waiting))
+    requests.add_metric(["loading"], len(eng.scheduler.loading))  # their prefix is on its way from below
     yield requests
     yield CounterMetricFamily("kvtierd_prompt_tokens", "Prompt tokens of the requests added.", c.prompt_tokens)
     hits = CounterMetricFamily("kvtierd_cache_hit_tokens", "Prompt tokens served from the cache, by the tier "
@@ -183,6 +185,27 @@ def _restore(tiers: TierManager) -> Iterator[Metric]:
     yield load
     yield GaugeMetricFamily("kvtierd_prefill_tokens_per_second", "Measured prefill speed (moving average), what a "
                             "load is weighed against; 0 until measured.", prefill or 0.0)
+    yield from _transfers(tiers)
+
+
+def _transfers(tiers: TierManager) -> Iterator[Metric]:
+    """Loads and stores between the device and the tiers below: their times, bytes, and what is under way."""
+    seconds = HistogramMetricFamily("kvtierd_transfer_seconds", "Time of each chunk transfer, by tier and direction "
+                                    "(load: into device pages; store: out of them, encoding included).",
+                                    labels=["tier", "direction"])
+    nbytes = CounterMetricFamily("kvtierd_transfer_bytes", "KV bytes moved by chunk transfers, by tier and "
+                                 "direction.", labels=["tier", "direction"])
+    for (tier, direction), h in sorted(tiers.transfer_stats.snapshot().items()):
+        buckets = [(repr(b), n) for b, n in zip(TRANSFER_BUCKETS_S, h.bucket_counts)] + [("+Inf", h.count)]
+        seconds.add_metric([tier, direction], buckets, h.sum_s)
+        nbytes.add_metric([tier, direction], h.nbytes)
+    yield seconds
+    yield nbytes
+    yield GaugeMetricFamily("kvtierd_transfers_in_flight", "Chunk loads queued or running on the transfer workers.",
+                            tiers.transfers.num_in_flight)
+    yield CounterMetricFamily("kvtierd_loads_past_deadline", "Requests that stopped waiting for their loads at the "
+                              "deadline (the planner's recompute estimate) and recomputed instead.",
+                              tiers.transfer_stats.loads_past_deadline)
 
 
 def _per_tier(name: str, doc: str, kind: type, value: float) -> Metric:

@@ -64,9 +64,10 @@ class Generation:
         self._first: RequestOutput | None = None
         self._start = time.monotonic()
         self._observer = observer
-        self._probe = None if workload is None else workload.probe(engine.engine.kv.pool,
-                                                                   engine.engine.config.block_size, tenant,
-                                                                   session_id, qos_class)
+        eng = engine.engine
+        self._probe = None if workload is None else workload.probe(
+            lambda: (eng.snapshot.used_pages, eng.snapshot.high_pages), eng.config.block_size, tenant, session_id,
+            qos_class)
         self.result = GenerationResult(prompt_tokens=len(prompt_ids))
 
     async def first_output(self) -> None:

@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtierd.cache.block_pool import BlockPool
 from kvtierd.server.workload_report import Distribution, PageFit, WorkloadStats
 
 log = logging.getLogger(__name__)
@@ -118,9 +117,9 @@ class WorkloadRecorder:
         self.earlier_span_s = 0.0  # recorded by earlier runs of the daemon
         self._run: tuple[float, float] | None = None  # this run's first arrival and last end
 
-    def probe(self, pool: BlockPool, block_size: int, tenant: str, session_id: str | None,
+    def probe(self, pages: Callable[[], tuple[int, int]], block_size: int, tenant: str, session_id: str | None,
               qos_class: str) -> RequestProbe:
-        return RequestProbe(self, pool, block_size, tenant, session_id, qos_class)
+        return RequestProbe(self, pages, block_size, tenant, session_id, qos_class)
 
     def record(self, r: FinishedRequest) -> None:
         rng = self._rng
@@ -233,7 +232,7 @@ class RequestProbe:
     """One request on its way: the busiest moment it saw, recorded with its result when it finishes."""
 
     recorder: WorkloadRecorder
-    pool: BlockPool
+    pages: Callable[[], tuple[int, int]]  # (used, high) device pages, from the engine's snapshot between steps
     block_size: int
     tenant: str
     session_id: str | None
@@ -243,9 +242,10 @@ class RequestProbe:
     peak_high_pages: int = 0
 
     def sample(self) -> None:
-        """At each output: two counters read between or during steps (statistics, not accounting)."""
-        self.peak_used_pages = max(self.peak_used_pages, self.pool.num_used_blocks)
-        self.peak_high_pages = max(self.peak_high_pages, self.pool.num_high_blocks)
+        """At each output: the pages in use as of the last step."""
+        used, high = self.pages()
+        self.peak_used_pages = max(self.peak_used_pages, used)
+        self.peak_high_pages = max(self.peak_high_pages, high)
 
     def finish(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int,
                cached_tokens_by_tier: dict[str, int], cache_source: str) -> None:

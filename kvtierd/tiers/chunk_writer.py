@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -21,13 +22,16 @@ from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.redis_store import RedisStore
 from kvtierd.storage.kv_frame import ChunkIdentity, encode_frame
 from kvtierd.storage.store_errors import StoreUnavailableError
+from kvtierd.tiers.transfer import TransferStats
 
 log = logging.getLogger(__name__)
 
 
 class ChunkWriter:
-    def __init__(self, tier: str, store: DiskStore | RedisStore, codec: str, max_pending_bytes: int) -> None:
+    def __init__(self, tier: str, store: DiskStore | RedisStore, codec: str, max_pending_bytes: int,
+                 stats: TransferStats | None = None) -> None:
         self.tier = tier
+        self._stats = stats  # each committed store's time (encoding included) and KV bytes
         self.store = store
         self.codec = codec
         self.max_pending_bytes = max_pending_bytes
@@ -90,6 +94,7 @@ class ChunkWriter:
 
     def _write(self, chunks: list[tuple[bytes, ChunkIdentity, torch.Tensor]], cataloged: bool) -> None:
         stored = False
+        t0 = time.perf_counter()
         try:
             items = [(key, encode_frame(identity, kv.reshape(-1).view(torch.uint8).numpy(), codec=self.codec))
                      for key, identity, kv in chunks]
@@ -102,6 +107,9 @@ class ChunkWriter:
             with self._lock:
                 for key, _, _ in chunks:
                     self._pending_bytes -= self._pending.pop(key, 0)
+        if stored and self._stats is not None:
+            self._stats.observe(self.tier, "store", time.perf_counter() - t0,
+                                sum(kv.numel() * kv.element_size() for _, _, kv in chunks))
         with self._lock:
             if stored:
                 self.num_written += len(chunks)

@@ -3,7 +3,7 @@
     device pages --save--> host slab   raw frames, gathered straight into a slot (one copy)
                       \\-->  disk        frames in the disk codec, encoded and committed by the disk's writer thread
                       \\-->  remote      zstd-planes frames, sealed and sent by the remote's writer thread
-    host / disk / remote --load--> fresh device pages, on the engine thread
+    host / disk / remote --load--> fresh device pages, on a transfer worker (`transfer.py`)
     disk / remote --prefetch--> host slab, on the prefetch thread, as soon as a request arrives
     disk --warm--> host slab, on the prefetch thread, at startup (recent sessions' chunks)
 
@@ -24,8 +24,8 @@ mix in the fleet's epoch instead, kept in Redis: an invalidation on one host
 starts a new fleet epoch, which the others read within `FLEET_EPOCH_REFRESH_S`.
 Any store may be absent (turned off, or it could not open): the manager then
 works with the others, and says why in its stats. It is called from the
-engine thread, or from the event loop between steps; only the writers'
-threads run beside it.
+engine thread, or from the event loop between steps; the writers', the
+prefetch and the transfer threads run beside it (`load` runs on the latter).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from kvtierd.tiers.fleet_epoch import FleetEpoch
 from kvtierd.tiers.page_copy import PageCopier
 from kvtierd.tiers.restore_planner import RestorePlanner
 from kvtierd.tiers.store_name import disk_store_name
+from kvtierd.tiers.transfer import TransferQueue, TransferStats
 from kvtierd.tiers.tier_stats import Reconciliation, TierCounts, TierStats, host_stats, off_stats, writer_stats
 
 log = logging.getLogger(__name__)
@@ -88,6 +89,7 @@ class TierManager:
         self._geometry = device.geometry
         self.disk_codec = resolve_codec(config.disk_codec, self._geometry.dtype, "disk")
         self._pages = PageCopier(device)
+        self.transfer_stats = TransferStats()  # times and bytes of every load and store, by tier
         self.host: HostStore | None = None
         self.host_reason: str | None = None
         if not config.host_bytes:
@@ -106,7 +108,8 @@ class TierManager:
         else:
             try:
                 self.disk = DiskStore(config.disk_path, map_size=config.disk_bytes)
-                self._writer = ChunkWriter("disk", self.disk, self.disk_codec, config.max_pending_disk_bytes)
+                self._writer = ChunkWriter("disk", self.disk, self.disk_codec, config.max_pending_disk_bytes,
+                                           self.transfer_stats)
             except StoreUnavailableError as e:
                 self.disk_reason = str(e)
                 log.warning("serving without the disk KV tier: %s", e)
@@ -122,7 +125,7 @@ class TierManager:
             self.remote = RedisStore(r.url, keyspace, r.secret, ttl_s=r.ttl_s, connect_timeout_ms=r.connect_timeout_ms,
                                      op_timeout_ms=r.op_timeout_ms)
             self._remote_writer = ChunkWriter("remote", self.remote, resolve_codec(r.codec, self._geometry.dtype, "remote"),
-                                              config.max_pending_disk_bytes)
+                                              config.max_pending_disk_bytes, self.transfer_stats)
             self._fleet_epoch = FleetEpoch(self.remote)
         self.counts = {"host": TierCounts(), "disk": TierCounts(), "remote": TierCounts()}
         self.planner = RestorePlanner()
@@ -133,6 +136,8 @@ class TierManager:
         # host key -> the tier a prefetch copied it from, until a load uses it: that load counts for that tier
         self._prefetched_from: OrderedDict[bytes, str] = OrderedDict()
         self.pins: dict[str, TierPin] = {}  # pin id -> what it holds below the device
+        # Loads run here, off the engine's step: the cache manager submits them and collects them between steps.
+        self.transfers = TransferQueue(self.load, self.bytes_per_page, self.transfer_stats)
 
     @property
     def bytes_per_page(self) -> int:
@@ -190,8 +195,8 @@ class TierManager:
         return found
 
     def load(self, found: FoundChunk, skip: int, block_ids: Sequence[int]) -> str | None:
-        """Copies pages `skip`.. of a found chunk into the device pages `block_ids`; returns the tier it counts
-        for (where it was found, or where a prefetch for this request copied it from). None when the value is
+        """Copies pages `skip`.. of a found chunk into the device pages `block_ids` (on a transfer worker: see
+        `transfers`); returns the tier it counts for (where it was found, or where a prefetch for this request copied it from). None when the value is
         gone (evicted since the lookup) or fails its checks."""
         span, tier = found.span, found.tier
         key = self._key(tier, span.last_hash)
@@ -439,7 +444,9 @@ class TierManager:
                 continue
             identity = c.span.identity(self._geometry)
             if to_host:
+                t0 = time.perf_counter()
                 self._put_host(key, identity, lambda out, ids=c.block_ids: self._pages.gather_into(out, ids))
+                self.transfer_stats.observe("host", "store", time.perf_counter() - t0, nbytes)
                 self.counts["host"].writes += 1
             if not (to_disk or to_remote):
                 continue
@@ -564,6 +571,7 @@ class TierManager:
                 writer.wait()
 
     def close(self) -> None:
+        self.transfers.close()
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
         for writer in (self._writer, self._remote_writer):
             if writer is not None:

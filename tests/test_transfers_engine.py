@@ -1,0 +1,169 @@
+"""Two-phase loads on the real model: a request whose prefix is below the device waits in the loading state
+while the engine steps the others; it shares a chunk's load with another request, gives up at its deadline
+and recomputes (the same output), or is cancelled and gives its pages back. Stores copy their pages out
+before the pages are reused. Loads are held back by occupying the transfer workers (a barrier job the test
+releases), never by waiting on a clock."""
+
+from __future__ import annotations
+
+import threading
+from functools import partial
+
+import engine_runs
+from engine_runs import assert_same_output
+from test_tiers_engine import TOPICS, ask, push_out, tiered
+
+from kvtierd.engine.sampling_params import SamplingParams
+
+PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2)
+run_one = partial(engine_runs.run_one, params=PARAMS)
+
+
+class HeldWorkers:
+    """Occupies every transfer worker until released: loads submitted meanwhile stay queued."""
+
+    def __init__(self, engine) -> None:
+        self.gate = threading.Event()
+        transfers = engine.tiers.transfers
+        self.jobs = [transfers.run(self.gate.wait) for _ in range(transfers.num_workers)]
+
+    def release(self) -> None:
+        self.gate.set()
+        for job in self.jobs:
+            job.result()
+
+
+def slow_prefill(engine) -> None:
+    """Makes the planner estimate recomputing at about a token a second: a load's deadline is minutes away,
+    so a held load is waited for whatever this machine's speed."""
+    for _ in range(80):
+        engine.tiers.planner.observe_prefill(1, 1.0)
+
+
+def run_rest(engine, rid: str) -> list:
+    outs = []
+    while engine.has_unfinished():
+        outs += [o for o in engine.step() if o.request_id == rid]
+    return outs
+
+
+def cold_run(make_engine, prompt) -> list:
+    return run_one(make_engine(enable_prefix_caching=False), prompt)
+
+
+def test_a_loading_request_waits_while_others_step_then_runs_with_the_same_output(loaded, make_engine):
+    tok = loaded.tokenizer
+    engine = tiered(make_engine)
+    prompt = ask(tok, TOPICS[0])
+    push_out(engine, tok, prompt)
+    slow_prefill(engine)
+    held = HeldWorkers(engine)
+    rid = engine.add_request(prompt, PARAMS)
+    other = engine.add_request(tok.encode("A short question about pages?"), PARAMS)
+    steps_of_other = 0
+    while other in engine.requests:  # the other request runs to its end while the first one's loads wait
+        assert engine.step() is not None
+        steps_of_other += 1
+        assert [r.request_id for r in engine.scheduler.loading] == [rid]
+    assert steps_of_other >= PARAMS.max_tokens and engine.tiers.transfers.num_in_flight >= 2
+    held.release()
+    warm = run_rest(engine, rid)
+    assert warm[0].cached_tokens_by_tier["host"] >= 64 and warm[0].restore.decision == "load"
+    assert_same_output(warm, cold_run(make_engine, prompt))
+    assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_two_requests_needing_the_same_chunks_share_one_load_each(loaded, make_engine):
+    tok = loaded.tokenizer
+    engine = tiered(make_engine)
+    prompt = ask(tok, TOPICS[0])
+    push_out(engine, tok, prompt)
+    slow_prefill(engine)
+    held = HeldWorkers(engine)
+    first = engine.add_request(prompt, PARAMS)
+    engine.step()
+    loads = engine.tiers.transfers.num_in_flight
+    pages_taken = engine.kv.pool.num_used_blocks
+    second = engine.add_request(prompt, PARAMS, tenant="")  # same tenant: same chunks
+    engine.step()
+    assert {r.request_id for r in engine.scheduler.loading} == {first, second}
+    assert loads >= 2 and engine.tiers.transfers.num_in_flight == loads  # joined, not loaded again
+    held.release()
+    outs: dict[str, list] = {first: [], second: []}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs[o.request_id].append(o)
+    cold = cold_run(make_engine, prompt)
+    for rid in (first, second):
+        assert outs[rid][0].cached_tokens_by_tier["host"] >= 64
+        assert_same_output(outs[rid], cold)
+    assert pages_taken > 0 and engine.kv.pool.num_used_blocks == 0
+    assert engine.tier_stats()[0].hits == loads  # one read per chunk, for both requests
+
+
+def test_a_loading_request_cancelled_mid_load_gives_its_pages_back(loaded, make_engine):
+    tok = loaded.tokenizer
+    engine = tiered(make_engine)
+    prompt = ask(tok, TOPICS[0])
+    push_out(engine, tok, prompt)
+    free_before = engine.kv.pool.num_free_blocks
+    slow_prefill(engine)
+    held = HeldWorkers(engine)
+    rid = engine.add_request(prompt, PARAMS)
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.loading] == [rid]
+    assert engine.kv.pool.num_free_blocks < free_before  # its destination pages and device prefix are held
+    engine.abort_request(rid)  # the client hung up
+    assert not engine.scheduler.loading and not engine.has_unfinished()
+    assert engine.kv.pool.num_free_blocks == free_before and engine.kv.pool.num_used_blocks == 0
+    held.release()
+    engine.tiers.transfers.run(lambda: None).result()
+    engine.step()  # nothing was left to give back
+    assert engine.kv.pool.num_used_blocks == 0 and engine.tiers.transfers.num_in_flight == 0
+    assert engine.tier_stats()[0].hits == 0  # the queued loads never ran
+    # The chunks are still below: the next request loads them and computes the same output.
+    warm = run_one(engine, prompt)
+    assert warm[0].cached_tokens_by_tier["host"] >= 64
+    assert_same_output(warm, cold_run(make_engine, prompt))
+
+
+def test_a_load_past_its_deadline_turns_into_a_recompute_with_the_same_output(loaded, make_engine):
+    tok = loaded.tokenizer
+    engine = tiered(make_engine)
+    prompt = ask(tok, TOPICS[0])
+    push_out(engine, tok, prompt)
+    planner = engine.tiers.planner
+    # Loading still wins the plan, but recomputing is estimated at nanoseconds: the deadline passes at once.
+    planner.observe_load("host", 10**15, 1.0)
+    planner.observe_prefill(10**9, 1.0)
+    held = HeldWorkers(engine)
+    rid = engine.add_request(prompt, PARAMS)
+    engine.step()  # it starts loading; the loads stay queued behind the held workers
+    outs = run_rest(engine, rid)  # the next step finds its deadline passed: it recomputes
+    by_tier = outs[0].cached_tokens_by_tier
+    assert outs[0].restore.decision == "load" and by_tier["host"] == 0  # (a shared head may be on the device)
+    assert outs[0].num_cached_tokens == by_tier["device"] < 64
+    assert engine.tiers.transfers.stats.loads_past_deadline == 1
+    assert_same_output(outs, cold_run(make_engine, prompt))
+    held.release()
+    engine.tiers.transfers.run(lambda: None).result()
+    engine.kv.reap_loads()
+    # The late loads were dropped: their pages are back, nothing they read was indexed.
+    assert engine.kv.pool.num_used_blocks == 0 and engine.tiers.transfers.num_in_flight == 0
+
+
+def test_a_store_in_flight_keeps_its_copy_while_its_pages_are_reused(loaded, make_engine, tmp_path):
+    tok = loaded.tokenizer
+    engine = tiered(make_engine, host=False, disk=tmp_path, disk_admission="all")
+    prompt = ask(tok, TOPICS[0])
+    gate = threading.Event()
+    writer = engine.tiers._writer
+    writer.run(gate.wait)  # the disk writer is busy: every store of the eviction below waits in its queue
+    push_out(engine, tok, prompt)  # its pages were evicted, demoted, and written over by the other prompts
+    assert writer.num_pending >= 2 and writer.num_written == 0
+    gate.set()
+    engine.tiers.wait()
+    warm = run_one(engine, prompt)
+    assert warm[0].cached_tokens_by_tier["disk"] >= 64  # what was stored is the KV before the pages were reused
+    assert_same_output(warm, cold_run(make_engine, prompt))
+    engine.close()
