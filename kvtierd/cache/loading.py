@@ -73,6 +73,7 @@ class Loading:
         `before_write` runs after pages were taken and before any load writes into them (evicted pages
         are saved below first)."""
         plan = self._tiers.planner.plan(self._costs(len(block_ids), below))
+        self._pool.touch(block_ids, high)  # before any allocation: they are idle, the allocation could take them
         loads: list[ChunkLoad] = []
         on_device = len(block_ids)
         for found in below[: plan.num_chunks]:
@@ -87,8 +88,9 @@ class Loading:
                 before_write()
                 load = self._transfers.submit(seq_id, found, skip, pages, high)
             loads.append(load)
-        if loads:
-            self._pool.touch(block_ids, high)
+        if not loads:
+            self._pool.release(block_ids, high)
+        else:
             deadline = None if plan.recompute_s is None else self._clock() + plan.recompute_s
             self._tickets[seq_id] = LoadTicket(list(block_ids), list(block_hashes), loads, plan, high, deadline, epoch)
         return plan
