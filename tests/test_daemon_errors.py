@@ -25,6 +25,7 @@ import httpx
 import pytest
 
 from daemon_fixtures import Daemon, engine_status, start_daemon, wait_idle
+from waiting import wait_until
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -320,14 +321,15 @@ def test_client_gone_mid_stream_frees_its_pages_and_leaves_no_half_turn(daemon, 
         assert messages[0]["content"] == STORY[0]["content"]
 
 
-def test_client_gone_before_a_whole_reply_frees_its_pages(daemon, api):
-    s = raw_post(daemon.socket, CHAT, chat(messages=STORY, max_tokens=200))
-    deadline = time.monotonic() + 10
-    while engine_status(api)["running"] == 0:  # admitted: it holds pages now
-        assert time.monotonic() < deadline, "the request never started"
-        time.sleep(0.02)
+def test_client_gone_before_a_whole_reply_aborts_it_and_frees_its_pages(daemon, api):
+    before = api.get("/admin/stats").json()
+    s = raw_post(daemon.socket, CHAT, chat(messages=STORY, max_tokens=MAX_MODEL_LEN_REPLY, ignore_eos=True))
+    wait_until(lambda: engine_status(api)["running"], "the request being admitted (it holds pages now)")
     s.close()
-    wait_idle(api)  # well before 200 tokens could be generated
+    wait_idle(api)
+    after = api.get("/admin/stats").json()
+    assert after["aborted"] == before["aborted"] + 1  # cancelled, not finished
+    assert after["generated_tokens"] - before["generated_tokens"] < MAX_MODEL_LEN_REPLY
     assert api.get("/healthz").status_code == 200
 
 

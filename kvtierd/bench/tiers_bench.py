@@ -27,7 +27,8 @@
 Cold reads: POSIX_FADV_DONTNEED leaves alone the pages a process has mapped,
 and LMDB maps data.mdb, so a cold read closes the store, drops the file's
 pages and opens it again (outside the timing), as after a restart.
-Times are wall time, with torch on one thread unless `--threads` says otherwise; quote medians and ratios.
+Times are wall time, with torch on the daemon's thread count (torch's default) unless `--threads` says
+otherwise; quote medians and ratios.
 """
 
 from __future__ import annotations

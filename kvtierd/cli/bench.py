@@ -12,6 +12,8 @@ from kvtierd.bench.report import machine, print_table, write_json
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: tables on stdout, figures with --json.")
 
 JsonOpt = Annotated[Optional[Path], typer.Option("--json", help="Write the figures to this JSON file.")]
+# The daemon leaves torch its default thread count (one per core it may use): a bench compares like with like.
+ThreadsOpt = Annotated[int, typer.Option(help="torch threads; 0: the daemon's (torch's default).")]
 
 
 def _ints(text: str) -> list[int]:
@@ -56,29 +58,46 @@ def bench_engine(
 
 @bench_app.command("capacity")
 def bench_capacity(
-    budget_tokens: Annotated[int, typer.Option(help="KV budget in token slots.")] = 262_144,
-    block_sizes: Annotated[str, typer.Option(help="Page sizes to compare.")] = "1,16,256",
+    budget_tokens: Annotated[int, typer.Option(help="KV budget in token slots.")] = 65_536,
+    window: Annotated[int, typer.Option(help="Context window: the longest prompt + output.")] = 4096,
+    block_size: Annotated[int, typer.Option(help="Paged: tokens per page.")] = 16,
+    arrivals: Annotated[float, typer.Option(help="Requests arriving per decode step (Poisson).")] = 0.5,
+    steps: Annotated[int, typer.Option(help="Decode steps simulated.")] = 3000,
+    warmup: Annotated[int, typer.Option(help="Steps not measured while the budget fills.")] = 500,
     seed: Annotated[int, typer.Option()] = 0,
     json_path: JsonOpt = None,
 ) -> None:
-    """Sequences that fit a fixed KV budget, paged vs contiguous max-length reservations."""
-    from kvtierd.bench.capacity_bench import run_capacity_bench
+    """Requests arriving, growing token by token and finishing: paged vs full-window slots vs exact-size first fit."""
+    from dataclasses import asdict
 
-    figures = run_capacity_bench(budget_tokens, _ints(block_sizes), seed)
+    from kvtierd.bench.capacity_bench import CapacityWorkload, run_capacity_bench
+
+    try:
+        w = CapacityWorkload(budget_tokens, window, block_size, arrivals, steps, warmup, seed)
+        f = run_capacity_bench(w)
+    except ValueError as e:
+        raise typer.BadParameter(str(e)) from e
     typer.echo(
-        f"budget {figures['budget_tokens']:,} token slots; length mix 20-4,000 tokens, "
-        f"mean {figures['mean_length']:.0f}, median {figures['median_length']}"
+        f"budget {w.budget_tokens:,} token slots, window {w.window:,}; {f.requests} requests over {w.steps:,} decode "
+        f"steps ({w.arrivals_per_step:g} a step, seed {w.seed}), the first {w.warmup_steps} not measured; prompt "
+        f"mean {f.prompt_mean:.0f}, median {f.prompt_p50}, max {f.prompt_max}; output mean {f.output_mean:.0f}, "
+        f"median {f.output_p50}, max {f.output_max}"
     )
     print_table(
-        "capacity",
-        ["block size", "paged seqs", "contiguous seqs", "ratio", "paged unused", "contiguous unused"],
-        [
-            [r["block_size"], r["paged_seqs"], r["contiguous_seqs"], r["ratio"],
-             f"{r['paged_unused_share']:.2%}", f"{r['contiguous_unused_share']:.2%}"]
-            for r in figures["rows"]
-        ],
+        "capacity under churn (shares of the budget, mean over the measured steps)",
+        ["allocator", "done", "running", "wait", "held", "wasted", "frag", "preempt", "recomp"],
+        [[r.allocator, r.completed, f"{r.running_mean:.1f}", f"{r.queue_wait_p50_steps:.0f}", f"{r.held_share:.1%}",
+          f"{r.wasted_share:.1%}", f"{r.fragmented_share:.1%}", r.preemptions, r.recomputed_tokens] for r in f.rows],
     )
-    write_json(json_path, figures)
+    typer.echo(
+        "paged 16: the real KVCacheManager, pages of 16 tokens; full window: a whole-window slot per sequence "
+        "(llama.cpp slots, a static cache); first fit: one contiguous range of exactly the final length, first fit. "
+        "done: requests finished; running: mean concurrent sequences; wait: median steps from arrival to admission; "
+        "held: slots holding a token; wasted: taken but holding none (a page's tail; a window slot's rest; a range's "
+        "tokens still to come); frag: free, but in holes too small for the waiting request; preempt: sequences "
+        "evicted to make room; recomp: their tokens, computed again"
+    )
+    write_json(json_path, asdict(f))
 
 
 @bench_app.command("serve")
@@ -170,7 +189,7 @@ def bench_fleet(
     doc_tokens: Annotated[int, typer.Option(help="Document tokens.")] = 2000,
     repeats: Annotated[int, typer.Option(help="Shared-document rounds.")] = 3,
     turns: Annotated[int, typer.Option(help="Session turns on the first host.")] = 3,
-    threads: Annotated[int, typer.Option(help="torch threads; 0: torch's default.")] = 1,
+    threads: ThreadsOpt = 0,
     model: Annotated[Optional[str], typer.Option()] = None,
     json_path: JsonOpt = None,
 ) -> None:
@@ -322,9 +341,7 @@ def bench_reuse(
     ),
     requests: Annotated[int, typer.Option(help="Shared document: questions over one document.")] = 16,
     lookup_tokens: Annotated[int, typer.Option(help="Lookup cost: prompt length.")] = 1000,
-    threads: Annotated[
-        int, typer.Option(help="torch threads; 0: torch's default. 1 keeps small steps steady on a shared machine.")
-    ] = 1,
+    threads: ThreadsOpt = 0,
     model: Annotated[Optional[str], typer.Option()] = None,
     json_path: JsonOpt = None,
 ) -> None:
@@ -388,20 +405,22 @@ def bench_reuse(
 @bench_app.command("startup")
 def bench_startup(
     repeats: Annotated[int, typer.Option(help="Loads of each kind, alternated (median).")] = 5,
+    processes: Annotated[int, typer.Option(help="Fresh daemons started to their first token (median).")] = 3,
     model: Annotated[Optional[str], typer.Option()] = None,
     json_path: JsonOpt = None,
 ) -> None:
-    """Model load from the GGUF file vs from the converted-model cache ([model] cache_dir)."""
+    """Model load from the GGUF file vs from the converted-model cache ([model] cache_dir); a fresh daemon's
+    process start to its first token."""
     from dataclasses import asdict
 
     from kvtierd.bench.startup_bench import run_startup_bench
 
-    if repeats < 1:
-        raise typer.BadParameter("repeats must be at least 1")
-    f = run_startup_bench(model, repeats)
+    if repeats < 1 or processes < 1:
+        raise typer.BadParameter("--repeats and --processes must be at least 1")
+    f = run_startup_bench(model, repeats, processes)
     m = machine()
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}; model {f.model}, "
-               f"loads alternated, median of {f.repeats}")
+    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), "
+               f"{m['date']}; model {f.model}, loads alternated, median of {f.repeats}")
     print_table(
         "model load (to a ready LlamaModel and tokenizer, float32 on the CPU)",
         ["from", "s", "x faster"],
@@ -410,6 +429,12 @@ def bench_startup(
     )
     typer.echo(f"cache entry: {f.entry_bytes / 1e6:,.0f} MB; cached model equal to the GGUF's: "
                f"{'yes' if f.equal else 'NO'}")
+    print_table(
+        f"a fresh `kvtierd serve` (converted-model cache warm), median of {f.processes}",
+        ["from process start to", "s"],
+        [["/healthz answers", f.process_ready_s], ["first token of a first request", f.process_first_token_s],
+         ["(that request's own TTFT)", f.first_request_ttft_s]],
+    )
     write_json(json_path, asdict(f))
 
 
@@ -428,9 +453,7 @@ def bench_tiers(
                                                    "(the disk tier holds all).")] = 0.5,
     directory: Annotated[Optional[Path], typer.Option("--dir", help="Where the LMDB stores and the raw file go "
                                                       "(on the disk to measure); default: the temp dir.")] = None,
-    threads: Annotated[
-        int, typer.Option(help="torch threads; 0: torch's default. 1 keeps small steps steady on a shared machine.")
-    ] = 1,
+    threads: ThreadsOpt = 0,
     model: Annotated[Optional[str], typer.Option()] = None,
     json_path: JsonOpt = None,
 ) -> None:
