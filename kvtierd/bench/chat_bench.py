@@ -165,10 +165,11 @@ def _kvtierd_send(client, sock: Path, tenant: str | None, conv: Conversations, s
                 sessions[session] = _create_session(sock, tenant)
             extra = {"session_id": sessions[session]}
             messages = history[-1:]  # the daemon keeps the rest
+        t0 = time.perf_counter()  # create() returns once the response's headers are in
         stream = client.chat.completions.create(
             model="default", messages=messages, max_tokens=conv.w.max_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body=extra)
-        return _timed_stream(session, turn, stream, time.perf_counter())
+        return _timed_stream(session, turn, stream, t0)
 
     return send
 
@@ -177,7 +178,7 @@ def _create_session(sock: Path, tenant: str | None) -> str:
     headers = {TENANT_HEADER: tenant} if tenant else {}
     with httpx.Client(transport=httpx.HTTPTransport(uds=str(sock)), base_url=BASE_URL, timeout=60) as c:
         r = c.post("/v1/sessions", json={"title": "bench chat"}, headers=headers)
-    if r.status_code != 200:
+    if not r.is_success:
         raise ServeBenchError(f"creating a session: {r.status_code} {r.text[:200]}")
     return r.json()["id"]
 

@@ -59,7 +59,7 @@ def _client(sock: Path) -> httpx.Client:
 
 
 def _ok(r: httpx.Response) -> dict:
-    if r.status_code != 200:
+    if not r.is_success:
         raise ServeBenchError(f"the daemon answered {r.status_code}: {r.text[:300]}")
     return r.json()
 

@@ -38,9 +38,10 @@ _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}}}
 
 
-def _body(properties: dict, required: list[str]) -> dict:
+def _body(properties: dict, required: list[str], optional: bool = False) -> dict:
+    """A JSON object body; `optional`: the request may come without one (all its fields have defaults)."""
     schema = {"type": "object", "additionalProperties": False, "properties": properties, "required": required}
-    return {"required": True, "content": {"application/json": {"schema": schema}}}
+    return {"required": not optional, "content": {"application/json": {"schema": schema}}}
 
 
 def _op(summary: str, body: dict | None = None, errors: tuple[int, ...] = (400,)) -> dict:
@@ -72,7 +73,7 @@ DOCUMENT = {
         "/v1/sessions": {
             "post": _op("Create a chat session", _body(
                 {"system_prompt": {"type": "string"}, "title": {"type": "string"},
-                 "priority": {"type": "string", "enum": ["high", "normal", "low"]}}, [])),
+                 "priority": {"type": "string", "enum": ["high", "normal", "low"]}}, [], optional=True)),
             "get": {**_op("This tenant's sessions"), "parameters": _LIMIT},
         },
         "/v1/sessions/{session_id}": {
