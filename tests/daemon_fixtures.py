@@ -17,7 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from waiting import wait_until
+from waiting import HANG_GUARD_S, wait_until
 
 
 @dataclass
@@ -62,7 +62,7 @@ def start_daemon(root: Path, *args: str, env: dict[str, str] | None = None, wait
     return daemon
 
 
-def wait_ready(daemon: Daemon, timeout: float = 120) -> None:
+def wait_ready(daemon: Daemon, timeout: float = HANG_GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if daemon.process.poll() is not None:

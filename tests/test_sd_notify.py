@@ -70,18 +70,20 @@ def test_daemon_reports_loading_ready_status_watchdog_and_stopping(tmp_path):
     d = start_daemon(tmp_path, wait=False, env={"NOTIFY_SOCKET": str(tmp_path / "notify.sock"),
                                                 "WATCHDOG_USEC": "3000000"})  # pings every 1.5 s
     try:
-        ready = listener.until("READY=1", timeout=120)
+        ready = listener.until("READY=1", timeout=HANG_GUARD_S)
         with d.client() as c:  # the socket serves at once: no retry
             assert c.get("/healthz").status_code == 200
         assert any(x.startswith("EXTEND_TIMEOUT_USEC=") for _, m in listener.received[:-1] for x in m), \
             listener.received  # before READY=1: while the model loaded
         assert any(STATUS.match(x) for x in ready), ready
 
-        # While a request runs, the pings go on (between steps) and STATUS= counts it.
+        # While a request runs, the pings go on (between steps) and STATUS= counts it. STORY's greedy reply runs
+        # past 600 tokens: still running at the next ping even on a fast machine; leaving the stream cancels it.
         with d.client() as c, c.stream("POST", "/v1/chat/completions",
-                                       json={"messages": STORY, "max_tokens": 400, "temperature": 0, "stream": True}) as r:
+                                       json={"messages": STORY, "max_tokens": 2000, "temperature": 0,
+                                             "stream": True}) as r:
             assert r.status_code == 200
-            busy = listener.until("STATUS=serving; 1 running", timeout=30)
+            busy = listener.until("STATUS=serving; 1 running", timeout=HANG_GUARD_S)
         assert "WATCHDOG=1" in busy
 
         # The pings go on: each comes with a STATUS= line the engine computed between two steps.
@@ -91,7 +93,7 @@ def test_daemon_reports_loading_ready_status_watchdog_and_stopping(tmp_path):
         assert all(STATUS.match(x) for x in listener.lines() if x.startswith("STATUS=serving"))
 
         d.process.send_signal(signal.SIGTERM)
-        stopping = listener.until("STOPPING=1", timeout=30)
+        stopping = listener.until("STOPPING=1", timeout=HANG_GUARD_S)
         assert any(x.startswith("EXTEND_TIMEOUT_USEC=") for x in stopping), stopping  # room for the drain
         assert d.process.wait(60) == 0, d.log_text()
     finally:

@@ -162,6 +162,7 @@ def bench_chat(
 ) -> None:
     """Interleaved multi-turn chats over long documents through the socket (official openai client): full history
     vs stored sessions, and llama.cpp with --peer llamacpp."""
+    import os
     from dataclasses import asdict
 
     import torch
@@ -179,7 +180,8 @@ def bench_chat(
     except (ValueError, IndexError) as e:
         raise typer.BadParameter(str(e) or "--doc-tokens takes low,high") from e
     if threads > 0:
-        torch.set_num_threads(threads)  # llama.cpp's; a daemon the bench starts uses torch's default
+        torch.set_num_threads(threads)  # llama.cpp's
+        os.environ["OMP_NUM_THREADS"] = str(threads)  # and torch's in the daemons the bench starts
     tok = load_model(None).tokenizer  # the bundled model, as the daemons the bench starts serve
     try:
         f = run_chat_bench(tok, w, torch.get_num_threads(), socket, peer, bundled_gguf_path())
