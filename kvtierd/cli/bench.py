@@ -85,7 +85,7 @@ def bench_capacity(
     )
     print_table(
         "capacity under churn (shares of the budget, mean over the measured steps)",
-        ["allocator", "done", "running", "wait", "held", "wasted", "frag", "preempt", "recomp"],
+        ["layout", "done", "running", "wait", "held", "wasted", "frag", "preempt", "recomp"],
         [[r.allocator, r.completed, f"{r.running_mean:.1f}", f"{r.queue_wait_p50_steps:.0f}", f"{r.held_share:.1%}",
           f"{r.wasted_share:.1%}", f"{r.fragmented_share:.1%}", r.preemptions, r.recomputed_tokens] for r in f.rows],
     )
