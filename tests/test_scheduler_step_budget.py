@@ -153,6 +153,21 @@ def test_steps_stay_bounded_for_the_hold_after_the_last_high_request_then_full_c
     assert sim.step().num_tokens == TOKENS_PER_STEP
 
 
+def test_a_high_request_is_not_held_behind_low_ones_that_aged_past_it():
+    """Lows waiting long enough outscore a fresh high in the queue (aging); they may be admitted first, but when
+    the step's time is spent for them the high one behind still goes into this step."""
+    sim = Sim({"high": 30.0, "normal": 0.0, "low": 0.0})
+    for i in range(4):
+        sim.add(f"low{i}", "low", prompt_len=1000, max_tokens=2)
+    sim.step()
+    for i in range(4, 8):
+        sim.add(f"low{i}", "low", prompt_len=200, max_tokens=2)
+    sim.clock.advance(300.0)  # they waited 300 s: weight 1 + 30 beats a fresh high's 8
+    sim.add("high", "high", prompt_len=40, max_tokens=2)
+    assert sim.scheduler.waiting.peek().qos_class == "low"
+    assert tokens_of(sim.step(), "high") == 40
+
+
 def test_a_budget_below_the_step_overhead_still_moves_the_lower_classes():
     """5 ms cannot hold even a step's fixed 10 ms: with no high request left to run, a held step still carries
     a page of low prefill, so the engine never stalls."""

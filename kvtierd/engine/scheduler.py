@@ -141,7 +141,7 @@ class Scheduler:
         if first is not None and not self._is_lower(first, room):
             self._admit(first, plan, room)
         inflight = self._inflight_hashes() if self.enable_prefix_caching and self.waiting else set()
-        no_room: set[str] = set()  # classes that found no pages this step
+        no_room: set[str] = set()  # classes that found no pages (or no time) this step
         deferred: set[TenantKey] = set()  # tenants whose next request waits for a prefix being computed
         # The top class's work first, under the token budget only; then the lower classes', within the time limit.
         for lower in (False, True):
@@ -185,8 +185,9 @@ class Scheduler:
                 deferred.add((req.qos_class, req.cache_root))  # its prefix is being computed: wait and reuse it
                 continue
             n = self._admit(req, plan, room)
-            if n == 0:
-                return  # the step's time is spent
+            if n == 0:  # the step's time is spent for its class; a top-class request behind it (aged past) goes
+                no_room.add(req.qos_class)
+                continue
             if n is None:
                 if req.high:
                     room.admitting = False  # the reserve is open to high: nobody else would fit either
