@@ -21,8 +21,10 @@ Runs, same schedule in each:
     no budget      flood + stream, classes (admission, reserve, preemption) but step_budget_ms off
     no qos         flood + stream, every request normal, step_budget_ms off: one class
 
-Low throughput is the low requests' completion tokens, of those that ended
-while the high stream ran, per second of it; the target compares qos with no
+Low throughput is the text chunks the low clients received while the sampled
+high stream ran, per second of it (a chunk is a token, or a few when text is
+held back until it decodes cleanly: alike in every run); low TTFT and ITL are
+of the low requests that ended in that time. The target compares qos with no
 budget (QoS off: the step budget off).
 """
 
@@ -78,6 +80,7 @@ class Timing:
 @dataclass(slots=True)
 class RunLog:
     timings: list[Timing] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)  # when each text chunk came, of every request
     errors: int = 0
 
 
@@ -102,8 +105,9 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, priority: str,
-                  start: float) -> Timing:
-    """One streamed completion; TTFT from `start` (perf_counter), which may be before it was sent."""
+                  start: float, chunk_times: list[float] | None = None) -> Timing:
+    """One streamed completion; TTFT from `start` (perf_counter), which may be before it was sent. Each text
+    chunk's arrival also goes to `chunk_times` as it comes (a request cut short still counts)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "priority": priority}
     arrivals: list[float] = []
@@ -120,6 +124,8 @@ async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
                 raise ServeBenchError(f"the stream ended with an error: {chunk['error']}")
             if any(c.get("text") for c in chunk.get("choices", [])):
                 arrivals.append(time.perf_counter())
+                if chunk_times is not None:
+                    chunk_times.append(arrivals[-1])
             tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
     if not arrivals:
         raise ServeBenchError("a stream carried no text")
@@ -132,7 +138,7 @@ async def _low_client(socket, w: QosWorkload, rng: random.Random, priority: str,
         while True:
             try:
                 log.timings.append(await _stream(client, _prompt(rng, w.low_prompt_tokens), w.low_reply_tokens,
-                                                 priority, time.perf_counter()))
+                                                 priority, time.perf_counter(), log.chunk_times))
             except (ServeBenchError, httpx.HTTPError):
                 log.errors += 1
                 await asyncio.sleep(0.5)
@@ -173,7 +179,7 @@ async def run_scenario(socket, w: QosWorkload, name: str, flood: bool, classes: 
     low = [t for t in low_log.timings if t0 <= t.end <= t_end]
     return {"run": name, "high": _latencies(high_log.timings), "low": _latencies(low) if low else None,
             "high_errors": high_log.errors + warm_log.errors, "low_errors": low_log.errors,
-            "low_tokens_per_s": sum(t.output_tokens for t in low) / (t_end - t0) if flood else None,
+            "low_tokens_per_s": sum(t0 <= t <= t_end for t in low_log.chunk_times) / (t_end - t0) if flood else None,
             "window_s": t_end - t0}
 
 
