@@ -168,6 +168,20 @@ def test_a_high_request_is_not_held_behind_low_ones_that_aged_past_it():
     assert tokens_of(sim.step(), "high") == 40
 
 
+def test_a_high_request_takes_pages_from_running_lows_even_when_waiting_lows_aged_past_it():
+    sim = Sim({"high": 100.0, "normal": 0.0, "low": 0.0}, num_blocks=68)
+    for i in range(2):
+        sim.add(f"low{i}", "low", prompt_len=520, max_tokens=30)
+    for _ in range(3):  # no high yet: full steps; the two lows hold 66 of the 68 pages
+        sim.step()
+    sim.add("low-queued", "low", prompt_len=500, max_tokens=2)
+    sim.clock.advance(300.0)  # it outscores a fresh high now
+    sim.add("high", "high", prompt_len=40, max_tokens=2)
+    assert sim.scheduler.waiting.peek().request_id == "low-queued"
+    plan = sim.step()
+    assert tokens_of(plan, "high") == 40 and [r.request_id for r in plan.preempted] == ["low1"]
+
+
 def test_a_budget_below_the_step_overhead_still_moves_the_lower_classes():
     """5 ms cannot hold even a step's fixed 10 ms: with no high request left to run, a held step still carries
     a page of low prefill, so the engine never stalls."""

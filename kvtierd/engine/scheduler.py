@@ -253,8 +253,11 @@ class Scheduler:
     def _make_room_for_waiting(self, plan: StepPlan, budget: int) -> Request | None:
         """Preempts lower-class running requests, lowest first, until the request next in line fits
         (its first chunk's pages, counted without cache hits; a seat if max_num_seqs are running).
-        Returns it when it preempted for it: it is admitted first."""
-        req = self.waiting.peek()
+        Returns it when it preempted for it: it is admitted first. The request is the highest waiting class's
+        next one, even when a lower one aged past it: aging orders admission, it does not take pages from
+        the classes it outranks."""
+        top = min((r.qos_class for r in self.waiting), key=RANK.__getitem__, default=None)
+        req = self.waiting.peek([c for c in QOS_CLASSES if top is not None and RANK[c] > RANK[top]])
         if req is None or not self.running or RANK[self.running[-1].qos_class] <= RANK[req.qos_class]:
             return None
         need = -(-min(req.num_pending_tokens, budget) // self.kv.block_size) + 1
