@@ -1,10 +1,10 @@
-"""`kvtierd bench qos` at tiny sizes: every run is there, the figures have the right shape, and the resizing
+"""`kvtierd bench qos-engine` at tiny sizes: every run is there, the figures have the right shape, and the resizing
 reserve's series makes a PNG."""
 
 from __future__ import annotations
 
 from kvtierd.bench.plot import plot_reserve
-from kvtierd.bench.qos_bench import QosWorkload, run_qos_bench
+from kvtierd.bench.qos_engine_bench import QosWorkload, run_qos_bench
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -4,6 +4,7 @@ low is shed, /admin/pins (pin, list, budget, unpin) and pins restored after a re
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import tempfile
 from pathlib import Path
 
@@ -14,7 +15,9 @@ from daemon_fixtures import start_daemon
 TENANT = "X-Kvtierd-Tenant"
 ENV = {
     "KVTIERD_MAX_NUM_SEQS": "1",  # one request at a time: the next one queues
-    "KVTIERD_QOS_MAX_QUEUE_S": "high=0.5,normal=0.5,low=0.5",
+    # normal is refused after 0.5 s queued; high and low wait long enough for shedding to come first, however
+    # long a step takes on a slow machine
+    "KVTIERD_QOS_MAX_QUEUE_S": "high=30,normal=0.5,low=30",
     "KVTIERD_SHED_LOW_AFTER_S": "0.05",  # queued low requests are refused once a high one has waited this long
     "KVTIERD_PIN_SHARE": "0.02",  # 256 MiB of fp32 SmolLM2 pages: 364 pages, 7 of them for pins
     "KVTIERD_TENANT_CLASSES": "vip=high",
@@ -49,39 +52,62 @@ def test_a_request_takes_its_tenants_class_and_is_capped(daemon):
         assert chat(c, "someone").json()["kvtierd"]["priority"] == "normal"
 
 
+@contextlib.asynccontextmanager
+async def seat_taken(c, priority: str):
+    """Streams a long request and yields once its first token is out: it holds the one seat (it runs) until the
+    block ends and the stream is closed, which aborts it. No clock: its first chunk says it runs. The stream is
+    read to the end meanwhile (leaving the iteration early would close the connection, and abort it)."""
+    body = {"prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 1000, "temperature": 0, "priority": priority,
+            "stream": True}
+    async with c.stream("POST", "/v1/completions", json=body) as long:
+        assert long.status_code == 200
+        running = asyncio.Event()
+
+        async def read() -> None:
+            try:
+                async for line in long.aiter_lines():
+                    if line.startswith("data: "):
+                        running.set()
+            finally:
+                running.set()
+
+        reader = asyncio.create_task(read())
+        await running.wait()
+        assert not reader.done(), "the long request ended before the test could use its seat"
+        try:
+            yield
+        finally:
+            reader.cancel()
+
+
 def test_a_request_waiting_past_its_class_limit_gets_503_with_retry_after(daemon):
     async def main():
         async with daemon.async_client() as c:
-            long = asyncio.create_task(c.post("/v1/completions", json={
-                "prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 200, "temperature": 0}))
-            await asyncio.sleep(0.3)
-            short = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "priority": "low",
-                                                          "stream": True})
-            return await long, short
+            async with seat_taken(c, "normal"):
+                return await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "priority": "normal",
+                                                             "stream": True})
 
-    long, short = asyncio.run(main())
-    assert long.status_code == 200
+    short = asyncio.run(main())
     assert short.status_code == 503, short.text
     assert int(short.headers["Retry-After"]) >= 1
     assert "overloaded" in short.json()["error"]["message"]
     with daemon.client() as c:
-        assert c.get("/admin/status").json()["engine"]["qos"]["classes"]["low"]["rejected"] >= 1
+        assert c.get("/admin/status").json()["engine"]["qos"]["classes"]["normal"]["rejected"] >= 1
 
 
 def test_a_queued_low_request_is_shed_with_503_while_a_high_one_waits(daemon):
     async def main():
         async with daemon.async_client() as c:
-            long = asyncio.create_task(c.post("/v1/completions", json={
-                "prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 200, "temperature": 0, "priority": "high"}))
-            await asyncio.sleep(0.3)
-            # The one seat is taken by a high request, which a high one cannot preempt: both queue (the
-            # second high one times out or runs, either is fine here).
-            low, _ = await asyncio.gather(*(c.post("/v1/completions", json={
-                "prompt": "Hi", "max_tokens": 1, "priority": cls}) for cls in ("low", "high")))
-            return await long, low
+            # The one seat is taken by a high request, which a high one cannot preempt: both queue, and low is
+            # shed at the first step boundary after high has waited 0.05 s. The high one runs once the seat frees.
+            async with seat_taken(c, "high"):
+                high = asyncio.create_task(c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1,
+                                                                           "priority": "high"}))
+                low = await c.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "priority": "low"})
+            assert (await high).status_code == 200
+            return low
 
-    long, low = asyncio.run(main())
-    assert long.status_code == 200
+    low = asyncio.run(main())
     assert low.status_code == 503, low.text
     assert int(low.headers["Retry-After"]) >= 1 and "shed" in low.json()["error"]["message"]
     with daemon.client() as c:

@@ -1,155 +1,246 @@
-"""`kvtierd bench qos`: high-priority TTFT under a flood of low-priority sessions, in one process.
+"""`kvtierd bench qos`: high-priority TTFT and ITL under a low-priority flood, through the daemon.
 
-A small KV budget; a flood of low-priority sessions (long prompts, long
-replies) submitted at once fills it, while a steady stream of high-priority
-requests arrives, one every `high_every_s` seconds. Each run is a fresh
-engine on the one loaded model, stepped synchronously:
+Real `kvtierd serve` processes on Unix sockets, real clients over the socket
+(httpx, streamed completions, SSE). Low clients flood: each sends long prompts
+(`low_prompt_tokens` random token ids, nothing shared through the cache) for
+`low_reply_tokens` replies, back to back, so a few times more requests are
+in flight than the device pool holds. High requests arrive at scheduled
+times, one every `high_every_s`, each from its own task; the stream starts
+first, the flood joins it, and the samples are the high requests scheduled
+after the flood's head start (a stream, not the first high request after a
+quiet spell, which waits for a step planned with no high present):
 
-    unloaded     the high stream alone: the TTFT to compare against
-    reserved     the flood + the stream, QoS classes and a reserved region
-    resizing     the same, the region resizing itself to high's page demand
-                 (`reserved_window_s`); kept for `--plot`: its size over time,
-                 (seconds, reserved pages, pages held by high) after each step
-                 that changed either, and each resize (seconds, old, new,
-                 the p99 of high's pages it followed)
-    no reserve   the same, classes (admission, preemption) but no reserved region
-    no qos       the same, every request normal: first come, first served
+    scheduled arrival ── first content chunk ── chunk ── chunk ...
+    |<------------- TTFT -------------->|<- ITL ->|
 
-TTFT is engine time from `add_request` to the step that returns the first
-token. Low throughput is the flood's generated tokens per second until its
-last request ends; "lost to the reservation" compares reserved with no reserve.
+The clock starts at the scheduled time, not when the client got to send.
+Runs, same schedule in each:
+
+    unloaded       the high stream alone (QoS daemon)
+    qos            flood + stream, time-bounded steps ([qos] step_budget_ms auto)
+    no budget      flood + stream, classes (admission, reserve, preemption) but step_budget_ms off
+    no qos         flood + stream, every request normal, step_budget_ms off: one class
+
+Low throughput is the text chunks the low clients received while the sampled
+high stream ran, per second of it (a chunk is a token, or a few when text is
+held back until it decodes cleanly: alike in every run); low TTFT and ITL are
+of the low requests that ended in that time. The target compares qos with no
+budget (QoS off: the step budget off).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import json
 import math
-import statistics
+import os
+import platform
+import random
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
-from kvtierd.engine.config import EngineConfig, QosConfig
-from kvtierd.engine.llm_engine import LLMEngine
-from kvtierd.engine.sampling_params import SamplingParams
-from kvtierd.model.loader import LoadedModel
+import httpx
+import torch
 
-TARGET_P95_X = 1.5  # high p95 TTFT with the reserve, at most this many times the unloaded one
-BLOCK_SIZE = 16
+from kvtierd.bench.serve_bench import ServeBenchError, async_client, percentile, started_daemon
+
+TARGET_TTFT_P95_X = 3.0  # high TTFT p95 under the flood, at most this many times the unloaded p95
+TARGET_ITL_P95_X = 2.0
+TARGET_LOW_THROUGHPUT = 0.8  # low tokens/s with QoS, at least this share of no budget's
+RUNS = ("unloaded", "qos", "no budget", "no qos")
+DEFAULT_RUNS = RUNS[:3]  # no qos queues high behind the flood, FIFO: minutes of TTFT, so asked for by name
+VOCAB_SPAN = (1000, 40000)  # ordinary tokens of the bundled model, no special ones
 
 
 @dataclass(frozen=True, slots=True)
 class QosWorkload:
-    kv_pages: int = 64  # the device KV budget, in pages of 16 tokens
-    low_sessions: int = 12
-    low_prompt_tokens: int = 160
-    low_reply_tokens: int = 48
-    high_requests: int = 12
-    high_prompt_tokens: int = 48
-    high_reply_tokens: int = 4
-    high_every_s: float = 0.25
-    reserved_share: float = 0.25
-    reserved_window_s: float = 1.0  # the resizing run: the reserve follows high's p99 pages over this window
+    high_requests: int = 100
+    high_every_s: float = 1.0
+    high_prompt_tokens: int = 40
+    high_reply_tokens: int = 16
+    low_clients: int = 16
+    low_prompt_tokens: int = 1000
+    low_reply_tokens: int = 64
+    head_start_s: float = 5.0  # the flood fills the pages (the high stream running already) before the samples
+    kv_cache: str = "128MiB"
+    step_budget: str = "high=auto,normal=auto"  # the qos run's [qos] step_budget_ms
+    seed: int = 0
 
 
-def _prompt(loaded: LoadedModel, tag: str, num_tokens: int) -> list[int]:
-    """A distinct prompt of about `num_tokens` tokens (nothing shared between requests)."""
-    words = " ".join(f"{tag}-{i}" for i in range(num_tokens))
-    return loaded.tokenizer.encode(words)[:num_tokens]
+@dataclass(slots=True)
+class Timing:
+    qos_class: str
+    ttft_s: float
+    gaps_s: list[float]
+    output_tokens: int
+    end: float  # perf_counter when it ended
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q * (len(ordered) - 1))))]
+@dataclass(slots=True)
+class RunLog:
+    timings: list[Timing] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)  # when each text chunk came, of every request
+    errors: int = 0
 
 
-def _qos_config(w: QosWorkload, reserve: bool, resize: bool) -> QosConfig:
-    no_limit = {"high": 0.0, "normal": 0.0, "low": 0.0}
-    if not resize:
-        return QosConfig(reserved_share=w.reserved_share if reserve else 0.0, max_queue_s=no_limit)
-    # The floor is one high request's pages: the first one after a quiet spell still finds its room.
-    floor = math.ceil((w.high_prompt_tokens + w.high_reply_tokens) / BLOCK_SIZE) / w.kv_pages
-    return QosConfig(reserved_share=w.reserved_share, reserved_min_share=min(floor, w.reserved_share),
-                     reserved_window_s=w.reserved_window_s, max_queue_s=no_limit)
+def machine_line() -> dict:
+    """CPU model, cores, the ISA flags that matter to torch's CPU kernels, torch and its threads."""
+    model, flags = platform.processor() or platform.machine(), set()
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16") if f in flags]
+    return {"cpu": model, "cores": os.cpu_count(), "isa": isa, "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
-def run_scenario(loaded: LoadedModel, w: QosWorkload, name: str, flood: bool, qos: bool, reserve: bool,
-                 resize: bool = False) -> dict:
-    bytes_per_page = BLOCK_SIZE * 2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim \
-        * loaded.model.dtype.itemsize
-    engine = LLMEngine(loaded, EngineConfig(
-        block_size=BLOCK_SIZE, kv_cache_bytes=w.kv_pages * bytes_per_page, max_num_batched_tokens=512,
-        qos=_qos_config(w, reserve, resize)))
-    pool = engine.kv.pool
-    high_class, low_class = ("high", "low") if qos else ("normal", "normal")
-    low_params = SamplingParams(max_tokens=w.low_reply_tokens, temperature=0.0, ignore_eos=True)
-    high_params = SamplingParams(max_tokens=w.high_reply_tokens, temperature=0.0, ignore_eos=True)
-    lows = set()
-    t0 = time.perf_counter()
-    t0_clock = time.monotonic()  # the reserve's clock: its resize times count from here
-    if flood:
-        lows = {engine.add_request(_prompt(loaded, f"low{i}", w.low_prompt_tokens), low_params,
-                                   session_id=f"flood-{i}", qos_class=low_class) for i in range(w.low_sessions)}
-    arrivals: dict[str, float] = {}
-    ttft: dict[str, float] = {}
-    low_tokens, low_end = 0, t0
-    next_high = t0 + (w.high_every_s if flood else 0.0)  # the flood gets a head start to fill the pages
-    series = [(0.0, pool.reserve.pages, 0)] if resize else []  # (seconds, reserved pages, pages held by high)
-    while len(arrivals) < w.high_requests or engine.has_unfinished():
-        now = time.perf_counter()
-        if len(arrivals) < w.high_requests and now >= next_high:
-            rid = engine.add_request(_prompt(loaded, f"high{len(arrivals)}", w.high_prompt_tokens), high_params,
-                                     qos_class=high_class)
-            arrivals[rid] = now
-            next_high += w.high_every_s
-        if not engine.has_unfinished():
-            time.sleep(max(0.0, next_high - time.perf_counter()))
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB_SPAN) for _ in range(n)]
+
+
+async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, priority: str,
+                  start: float, chunk_times: list[float] | None = None) -> Timing:
+    """One streamed completion; TTFT from `start` (perf_counter), which may be before it was sent. Each text
+    chunk's arrival also goes to `chunk_times` as it comes (a request cut short still counts)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "priority": priority}
+    arrivals: list[float] = []
+    tokens = 0
+    async with client.stream("POST", "/v1/completions", json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise ServeBenchError(f"the daemon answered {response.status_code}: {response.text}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                raise ServeBenchError(f"the stream ended with an error: {chunk['error']}")
+            if any(c.get("text") for c in chunk.get("choices", [])):
+                arrivals.append(time.perf_counter())
+                if chunk_times is not None:
+                    chunk_times.append(arrivals[-1])
+            tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+    if not arrivals:
+        raise ServeBenchError("a stream carried no text")
+    return Timing(priority, arrivals[0] - start, [b - a for a, b in zip(arrivals, arrivals[1:])], tokens,
+                  arrivals[-1])
+
+
+async def _low_client(socket, w: QosWorkload, rng: random.Random, priority: str, log: RunLog) -> None:
+    async with async_client(socket) as client:
+        while True:
+            try:
+                log.timings.append(await _stream(client, _prompt(rng, w.low_prompt_tokens), w.low_reply_tokens,
+                                                 priority, time.perf_counter(), log.chunk_times))
+            except (ServeBenchError, httpx.HTTPError):
+                log.errors += 1
+                await asyncio.sleep(0.5)
+
+
+async def _high_request(socket, w: QosWorkload, prompt: list[int], priority: str, at: float, log: RunLog) -> None:
+    await asyncio.sleep(max(0.0, at - time.perf_counter()))
+    async with async_client(socket) as client:
+        try:
+            timing = await _stream(client, prompt, w.high_reply_tokens, priority, at)
+        except (ServeBenchError, httpx.HTTPError):
+            log.errors += 1
+            return
+    timing.qos_class = "high"
+    log.timings.append(timing)
+
+
+async def run_scenario(socket, w: QosWorkload, name: str, flood: bool, classes: bool) -> dict:
+    """The high stream starts first and runs on; the flood joins it, fills the pages for `head_start_s`, and
+    the high requests scheduled after that are the samples (the ones before are not measured)."""
+    rng = random.Random(f"{w.seed}-{name}")
+    high_priority, low_priority = ("high", "low") if classes else ("normal", "normal")
+    warm_log, high_log, low_log = RunLog(), RunLog(), RunLog()
+    start = time.perf_counter() + 0.5
+    num_warm = math.ceil(w.head_start_s / w.high_every_s) if flood else 0
+    t0 = start + num_warm * w.high_every_s  # the first sample
+    highs = [asyncio.create_task(_high_request(socket, w, _prompt(rng, w.high_prompt_tokens), high_priority,
+                                               start + i * w.high_every_s, high_log if i >= num_warm else warm_log))
+             for i in range(num_warm + w.high_requests)]
+    await asyncio.sleep(max(0.0, start + 0.1 - time.perf_counter()))  # the first high request is in
+    lows = [asyncio.create_task(_low_client(socket, w, random.Random(rng.random()), low_priority, low_log))
+            for _ in range(w.low_clients if flood else 0)]
+    await asyncio.gather(*highs)
+    t_end = time.perf_counter()
+    for task in lows:
+        task.cancel()
+    await asyncio.gather(*lows, return_exceptions=True)
+    low = [t for t in low_log.timings if t0 <= t.end <= t_end]
+    return {"run": name, "high": _latencies(high_log.timings), "low": _latencies(low) if low else None,
+            "high_errors": high_log.errors + warm_log.errors, "low_errors": low_log.errors,
+            "low_tokens_per_s": sum(t0 <= t <= t_end for t in low_log.chunk_times) / (t_end - t0) if flood else None,
+            "window_s": t_end - t0}
+
+
+def _latencies(timings: list[Timing]) -> dict:
+    ttft = [t.ttft_s * 1e3 for t in timings]
+    itl = [g * 1e3 for t in timings for g in t.gaps_s]
+    out = {"requests": len(timings)}
+    for label, values in (("ttft", ttft), ("itl", itl)):
+        for q in (50, 95, 99):
+            out[f"{label}_p{q}_ms"] = percentile(values, q) if values else None
+    return out
+
+
+async def _warm_up(socket, w: QosWorkload) -> None:
+    async with async_client(socket) as client:
+        await _stream(client, _prompt(random.Random(-1), w.high_prompt_tokens), 4, "high", time.perf_counter())
+
+
+def _daemon_env(w: QosWorkload, step_budget: bool) -> dict[str, str]:
+    return {"KVTIERD_KV_CACHE_BYTES": w.kv_cache,
+            "KVTIERD_QOS_MAX_QUEUE_S": "high=0,normal=0,low=0",  # no 503s: every request is measured
+            "KVTIERD_STEP_BUDGET_MS": w.step_budget if step_budget else "",
+            "KVTIERD_LOG_LEVEL": "warning"}
+
+
+def run_qos_bench(w: QosWorkload, runs: tuple[str, ...] = DEFAULT_RUNS) -> dict:
+    """The figures of each run asked for; two daemons: one with step budgets, one without."""
+    unknown = set(runs) - set(RUNS)
+    if unknown or not runs:
+        raise ServeBenchError(f"runs must be among {', '.join(RUNS)}")
+    results = []
+    for step_budget, names in ((True, ("unloaded", "qos")), (False, ("no budget", "no qos"))):
+        names = [n for n in names if n in runs]
+        if not names:
             continue
-        for o in engine.step():
-            if o.request_id in arrivals and o.request_id not in ttft:
-                ttft[o.request_id] = time.perf_counter() - arrivals[o.request_id]
-            if o.request_id in lows:
-                low_tokens += len(o.token_ids)
-                if o.finished:
-                    low_end = time.perf_counter()
-        if resize and (pool.reserve.pages, pool.num_high_blocks) != series[-1][1:]:
-            series.append((time.perf_counter() - t0, pool.reserve.pages, pool.num_high_blocks))
-    if resize:  # the last size holds to the end of the run
-        series.append((time.perf_counter() - t0, pool.reserve.pages, pool.num_high_blocks))
-    values = [ttft[r] * 1e3 for r in arrivals]
-    figures = {
-        "run": name, "high_requests": len(values),
-        "ttft_p50_ms": statistics.median(values), "ttft_p95_ms": _percentile(values, 0.95),
-        "low_tokens_per_s": low_tokens / (low_end - t0) if flood and low_end > t0 else None,
-        "preemptions": engine.counters.preemptions,
-        "reserved_pages": pool.reserve.pages if pool.reserve else 0,
-        "resizes": len(pool.reserve.history) if pool.reserve else 0,
-        "kv_pages": pool.num_blocks,
-    }
-    if resize:
-        figures.update(reserved_window_s=w.reserved_window_s, reserved_floor=pool.reserve.floor,
-                       reserved_ceiling=pool.reserve.ceiling,
-                       reserve_series=[[round(t, 4), pages, high] for t, pages, high in series],
-                       reserve_resizes=[[round(r.at - t0_clock, 4), r.old_pages, r.new_pages, r.p99_pages]
-                                        for r in pool.reserve.history])
-    return figures
+        with started_daemon(env=_daemon_env(w, step_budget)) as socket:
+            asyncio.run(_warm_up(socket, w))
+            for name in names:
+                results.append(asyncio.run(run_scenario(socket, w, name, flood=name != "unloaded",
+                                                        classes=name != "no qos")))
+    return {"workload": asdict(w), "machine": machine_line(), "runs": results, **_verdict(results)}
 
 
-def run_qos_bench(loaded: LoadedModel, w: QosWorkload) -> dict:
-    # Warm-up: first-call costs stay out of the figures.
-    run_scenario(loaded, QosWorkload(high_requests=2, high_every_s=0.0), "warm-up", flood=False, qos=True,
-                 reserve=False)
-    runs = [
-        run_scenario(loaded, w, "unloaded", flood=False, qos=True, reserve=True),
-        run_scenario(loaded, w, "reserved", flood=True, qos=True, reserve=True),
-        run_scenario(loaded, w, "resizing", flood=True, qos=True, reserve=True, resize=True),
-        run_scenario(loaded, w, "no reserve", flood=True, qos=True, reserve=False),
-        run_scenario(loaded, w, "no qos", flood=True, qos=False, reserve=False),
-    ]
-    by_name = {r["run"]: r for r in runs}
-    unloaded, reserved, no_reserve = by_name["unloaded"], by_name["reserved"], by_name["no reserve"]
-    for r in runs:
-        r["p95_vs_unloaded_x"] = r["ttft_p95_ms"] / unloaded["ttft_p95_ms"]
-    lost = None
-    if reserved["low_tokens_per_s"] and no_reserve["low_tokens_per_s"]:
-        lost = 1.0 - reserved["low_tokens_per_s"] / no_reserve["low_tokens_per_s"]
-    return {"workload": asdict(w), "runs": runs, "low_throughput_lost_to_reserve": lost,
-            "target_p95_x": TARGET_P95_X, "target_met": reserved["p95_vs_unloaded_x"] <= TARGET_P95_X}
+def _verdict(results: list[dict]) -> dict:
+    by = {r["run"]: r for r in results}
+    out: dict = {"targets": {"ttft_p95_x": TARGET_TTFT_P95_X, "itl_p95_x": TARGET_ITL_P95_X,
+                             "low_throughput_share": TARGET_LOW_THROUGHPUT}}
+    base = by.get("unloaded")
+    for r in results:
+        if base is not None and base["high"]["ttft_p95_ms"] and r["high"]["ttft_p95_ms"] is not None:
+            r["ttft_p95_x"] = r["high"]["ttft_p95_ms"] / base["high"]["ttft_p95_ms"]
+            if base["high"]["itl_p95_ms"] and r["high"]["itl_p95_ms"] is not None:
+                r["itl_p95_x"] = r["high"]["itl_p95_ms"] / base["high"]["itl_p95_ms"]
+    qos = by.get("qos")
+    if qos is not None and "ttft_p95_x" in qos:
+        out["ttft_target_met"] = qos["ttft_p95_x"] <= TARGET_TTFT_P95_X
+        out["itl_target_met"] = qos.get("itl_p95_x", float("inf")) <= TARGET_ITL_P95_X
+    # QoS off: the step budget off (the target's baseline), and one class for all when that run is asked for.
+    for off, key in (("no budget", "low_throughput_share"), ("no qos", "low_throughput_share_vs_no_qos")):
+        if qos is not None and off in by and by[off]["low_tokens_per_s"]:
+            out[key] = qos["low_tokens_per_s"] / by[off]["low_tokens_per_s"]
+    if "low_throughput_share" in out:
+        out["throughput_target_met"] = out["low_throughput_share"] >= TARGET_LOW_THROUGHPUT
+    return out

@@ -335,6 +335,70 @@ def bench_soak(
 
 @bench_app.command("qos")
 def bench_qos(
+    high_requests: Annotated[int, typer.Option(help="High-priority requests in each run (the samples).")] = 100,
+    high_every: Annotated[float, typer.Option(help="Seconds between two scheduled high-priority arrivals.")] = 1.0,
+    high_reply: Annotated[int, typer.Option(help="Tokens of each high-priority reply.")] = 16,
+    low_clients: Annotated[int, typer.Option(help="Low-priority clients flooding, back to back.")] = 16,
+    low_prompt: Annotated[int, typer.Option(help="Tokens of each low-priority prompt.")] = 1000,
+    low_reply: Annotated[int, typer.Option(help="Tokens of each low-priority reply.")] = 64,
+    kv_cache: Annotated[str, typer.Option(help="The daemons' device KV pool.")] = "128MiB",
+    step_budget: Annotated[str, typer.Option(help="The qos run's [qos] step_budget_ms.")] = "high=auto,normal=auto",
+    runs: Annotated[str, typer.Option(help="Runs, comma-separated, of: unloaded, qos, no budget, no qos "
+                                      "(high queued behind the flood: minutes).")] = "unloaded,qos,no budget",
+    json_path: JsonOpt = None,
+) -> None:
+    """High-priority TTFT and ITL under a low-priority flood, through real daemons and clients on the socket:
+    time-bounded steps (qos) beside no step budget, no QoS and unloaded."""
+    from kvtierd.bench.qos_bench import QosWorkload, run_qos_bench
+    from kvtierd.bench.serve_bench import ServeBenchError
+
+    w = QosWorkload(high_requests=high_requests, high_every_s=high_every, high_reply_tokens=high_reply,
+                    low_clients=low_clients, low_prompt_tokens=low_prompt, low_reply_tokens=low_reply,
+                    kv_cache=kv_cache, step_budget=step_budget)
+    try:
+        f = run_qos_bench(w, tuple(r.strip() for r in runs.split(",") if r.strip()))
+    except ServeBenchError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    m = f["machine"]
+    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']} "
+               f"({m['torch_threads']} threads), {m['date']}")
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:,.0f}"
+
+    rows = []
+    for r in f["runs"]:
+        for cls in ("high", "low"):
+            if cls == "low" and r["low_tokens_per_s"] is None:
+                continue  # no flood
+            lat = r[cls] or {"requests": 0}  # no low request ended in the window: its throughput still shows
+            rows.append([r["run"], cls, lat["requests"], *(ms(lat.get(k)) for k in (
+                "ttft_p50_ms", "ttft_p95_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p95_ms", "itl_p99_ms")),
+                "-" if cls == "high" or r["low_tokens_per_s"] is None else f"{r['low_tokens_per_s']:.1f}"])
+    # Short headers keep the table inside an 80-column terminal.
+    print_table("QoS through the daemon (ms; TTFT from the scheduled arrival)",
+                ["run", "class", "n", "TTFT p50", "p95", "p99", "ITL p50", "p95", "p99", "low tok/s"], rows)
+    print_table("high-priority p95 over the unloaded p95",
+                ["run", "TTFT p95 x", "ITL p95 x"],
+                [[r["run"], f"{r['ttft_p95_x']:.2f}" if "ttft_p95_x" in r else "-",
+                  f"{r['itl_p95_x']:.2f}" if "itl_p95_x" in r else "-"] for r in f["runs"]])
+    errors = sum(r["high_errors"] + r["low_errors"] for r in f["runs"])
+    t = f["targets"]
+
+    def met(key: str) -> str:
+        return "-" if key not in f else "met" if f[key] else "NOT met"
+
+    share = f.get("low_throughput_share")
+    typer.echo(f"targets (qos run): TTFT p95 <= {t['ttft_p95_x']:g}x unloaded: {met('ttft_target_met')}; ITL p95 <= "
+               f"{t['itl_p95_x']:g}x unloaded: {met('itl_target_met')}; low throughput "
+               f"{'-' if share is None else f'{share:.0%}'} of no budget's (>= {t['low_throughput_share']:.0%}): "
+               f"{met('throughput_target_met')}; request errors: {errors}")
+    write_json(json_path, f)
+
+
+@bench_app.command("qos-engine")
+def bench_qos_engine(
     kv_pages: Annotated[int, typer.Option(help="Device KV budget in pages of 16 tokens.")] = 64,
     low_sessions: Annotated[int, typer.Option(help="Low-priority sessions flooding the cache.")] = 12,
     high_requests: Annotated[int, typer.Option(help="High-priority requests in the stream.")] = 12,
@@ -352,7 +416,7 @@ def bench_qos(
     import torch
 
     from kvtierd.bench.plot import PlotError, plot_reserve, pyplot
-    from kvtierd.bench.qos_bench import QosWorkload, run_qos_bench
+    from kvtierd.bench.qos_engine_bench import QosWorkload, run_qos_bench
     from kvtierd.engine.errors import RequestError
     from kvtierd.model.loader import load_model
 

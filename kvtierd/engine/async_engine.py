@@ -4,7 +4,9 @@ Each step runs on one worker thread, so the event loop keeps serving while the
 model computes. The engine is only ever touched by that thread during a step
 and by the event loop between steps: requests added or cancelled mid-step are
 applied as soon as the step returns, so a cancelled request's pages are free
-before the next step is scheduled. When the engine goes idle, the step thread
+before the next step is scheduled, and a request that arrived during a step is
+in the next one's `schedule()` (the loop yields once between steps, so handlers
+whose requests landed at the boundary add them first). When the engine goes idle, the step thread
 does the engine's idle work (`LLMEngine.on_idle`: compaction, saving ahead);
 edits made meanwhile wait for it as they wait for a step.
 """
@@ -135,6 +137,7 @@ class AsyncEngine:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            await asyncio.sleep(0)  # requests that arrived as the last step ended join this one
             self._stepping = True
             self._idle_work_due = True
             try:

@@ -30,8 +30,21 @@ class QosConfig:
     reserved_max_share: float = 0.5  # ceiling of the resizing reserve
     reserved_window_s: float = 0.0  # resize from the p99 of high's page use over this window (0: fixed)
     pin_share: float = 0.25  # of the device pages, pins may hold
+    # Time-bounded steps (engine/scheduler.py): while a request of a class is present, lower classes' work in a
+    # step is cut so the step's planned cost stays within this many ms (None: auto, the class's own work plus
+    # what a step of one decode costs; 0: off). Low's has no effect: no class is below it. Off for an engine built directly; the
+    # daemon's `[qos] step_budget_ms` sets it.
+    step_budget_ms: dict[str, float | None] = field(default_factory=lambda: {"high": 0.0, "normal": 0.0, "low": 0.0})
+    # A class counts as present this long after its last request left: a request arriving mid-step waits for the
+    # step in flight, so steps stay bounded between the requests of a stream.
+    step_budget_hold_s: float = 5.0
 
     def __post_init__(self) -> None:
+        if set(self.step_budget_ms) != set(QOS_CLASSES) or \
+                any(v is not None and not v >= 0 for v in self.step_budget_ms.values()):
+            raise ValueError(f"qos step_budget_ms needs auto (None) or a number >= 0 for each of {', '.join(QOS_CLASSES)}")
+        if self.step_budget_hold_s < 0:
+            raise ValueError("qos step_budget_hold_s must be 0 or positive")
         for name, table in (("weights", self.weights), ("max_queue_s", self.max_queue_s)):
             if set(table) != set(QOS_CLASSES) or min(table.values()) < 0:
                 raise ValueError(f"qos {name} needs a value >= 0 for each of {', '.join(QOS_CLASSES)}")

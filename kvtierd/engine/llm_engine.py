@@ -28,6 +28,7 @@ from kvtierd.engine.sampling_params import SamplingParams
 # header values of [A-Za-z0-9._@:-], so no tenant can be called this.
 PUBLIC_NAMESPACE = "<public>"
 from kvtierd.engine.scheduler import Scheduler, StepPlan
+from kvtierd.engine.step_cost import StepCostModel
 from kvtierd.model.detokenizer import IncrementalDetokenizer
 from kvtierd.model.loader import LoadedModel
 from kvtierd.storage.device_pool import DeviceKVPool
@@ -84,8 +85,9 @@ class LLMEngine:
                                  public_root=self._root(PUBLIC_NAMESPACE), tiers=self.tiers,
                                  reserve=reserved_region(config.qos, num_blocks),
                                  pin_budget_pages=int(config.qos.pin_share * num_blocks))
+        self.step_cost = StepCostModel()  # what a step costs, as measured: the scheduler's time-bounded steps
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.enable_prefix_caching, config.qos)
+                                   config.enable_prefix_caching, config.qos, self.step_cost)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
@@ -234,6 +236,7 @@ class LLMEngine:
         t3 = time.perf_counter()
         if plan.prefills and self.tiers is not None:  # the prefill speed a restore is weighed against (sampling
             self.tiers.planner.observe_prefill(plan.num_tokens, t3 - t1)  # waits for a GPU's forward to end)
+        self.step_cost.observe(plan.shape, t3 - t0)
         self.last_step = StepStats(plan.num_tokens, len(plan.scheduled), t2 - t1, t3 - t0)
         return outputs
 

@@ -5,7 +5,8 @@ order inside a class: a decode takes one token of the budget, an unfinished
 prefill takes as many as remain (chunked prefill). Waiting requests are
 admitted with what is left, in the order the QoS queue gives
 (`engine/qos_queue.py`: class, then weighted fair queuing between tenants,
-with aging); on admission a request adopts the longest cached prefix of its
+with aging), except that the top class's (below) are admitted before the
+lower classes' running requests are served; on admission a request adopts the longest cached prefix of its
 tokens (its session's context pool, its tenant's prefix index or the public
 one) and computes only the rest. A lower-class request cannot take the
 reserved region's pages; when it finds no room, its class waits this step and
@@ -20,12 +21,25 @@ to be recomputed, which reproduces the same tokens. A request that waits past
 its class's `max_queue_s` without being admitted is refused (`plan.rejected`);
 while a high request has waited `shed_low_after_s`, queued low requests are
 refused too (`plan.shed`).
+
+Time-bounded steps: a step runs to its end, so a request of a higher class
+that arrives mid-step waits for it, and shares the next. The highest class
+present (waiting, running, or gone less than `step_budget_hold_s` ago) is
+the step's top class; its work (running requests, then waiting ones while
+the queue's head is of it) is planned first, under the token budget only.
+Lower classes' work comes after, each request cut to what keeps the step's
+planned cost within the top class's `step_budget_ms` (auto: its own work
+plus one step of one decode; `engine/step_cost.py`
+predicts a step's seconds from its prefill tokens and decodes, as measured):
+their prefill is chunked finer, and their decodes skip a step when even one
+does not fit. When nothing of a lower class is present, nothing is cut: with
+one class only, steps are as large as the token budget makes them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import BlockHash, hash_full_blocks
@@ -33,6 +47,7 @@ from kvtierd.cache.kv_cache_manager import NO_HIT, Allocation, KVCacheManager
 from kvtierd.engine.config import QOS_CLASSES, QosConfig
 from kvtierd.engine.qos_queue import QosQueue, TenantKey
 from kvtierd.engine.request import Request
+from kvtierd.engine.step_cost import StepCostModel, StepShape
 
 RANK = {c: i for i, c in enumerate(QOS_CLASSES)}  # 0: high
 
@@ -66,10 +81,26 @@ class StepPlan:
     def empty(self) -> bool:
         return not self.decodes and not self.prefills
 
+    @property
+    def shape(self) -> StepShape:
+        return StepShape(sum(s.num_new_tokens for s in self.prefills), len(self.decodes))
+
+
+@dataclass(slots=True)
+class _StepRoom:
+    """What is left of the step being planned."""
+
+    tokens: int
+    top: str  # the highest class present: its work is never cut
+    limit_s: float | None = None  # the planned cost lower classes' work must keep within; None: no limit
+    admitting: bool = True  # False once memory ran short (or high found no room): nobody more is admitted
+    planned: set[str] = field(default_factory=set)  # request ids in the plan
+
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
-                 enable_prefix_caching: bool = True, qos: QosConfig | None = None) -> None:
+                 enable_prefix_caching: bool = True, qos: QosConfig | None = None,
+                 step_cost: StepCostModel | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         qos = qos or QosConfig()
         self.kv = kv
         self.enable_prefix_caching = enable_prefix_caching
@@ -77,7 +108,12 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_queue_s: Mapping[str, float] = qos.max_queue_s
         self.shed_low_after_s = qos.shed_low_after_s
-        self.waiting = QosQueue(qos.weights, qos.aging_s, time.monotonic)
+        self.step_budget_ms: Mapping[str, float | None] = qos.step_budget_ms
+        self.step_budget_hold_s = qos.step_budget_hold_s
+        self.step_cost = step_cost or StepCostModel()
+        self._clock = clock
+        self._last_present: dict[str, float] = {}  # class -> when a request of it was last waiting or running
+        self.waiting = QosQueue(qos.weights, qos.aging_s, clock)
         self.running: list[Request] = []  # highest class first, then in admission order
 
     def add(self, request: Request) -> None:
@@ -94,83 +130,134 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan(rejected=self.waiting.timed_out(self.max_queue_s),
                         shed=self.waiting.shed_low(self.shed_low_after_s))
-        budget = self.max_num_batched_tokens
-        fresh: set[str] = set()  # admitted this step, already in the plan
-        first = self._make_room_for_waiting(plan, budget)
-        # Admitted before the running ones are served, or they would take the room just made.
-        if first is not None and (n := self._admit(first, plan, budget)) is not None:
-            budget -= n
-            fresh.add(first.request_id)
-        short = False  # a running request had to preempt: memory is short, admit nobody
+        room = _StepRoom(self.max_num_batched_tokens, self._top_class())
+        first = self._make_room_for_waiting(plan, room.tokens)
+        # Admitted before the running ones are served, or they would take the room just made (one of a class
+        # below the top one is admitted with its class, within the step's time limit).
+        if first is not None and not self._is_lower(first, room):
+            self._admit(first, plan, room)
+        inflight = self._inflight_hashes() if self.enable_prefix_caching and self.waiting else set()
+        no_room: set[str] = set()  # classes that found no pages (or no time) this step
+        deferred: set[TenantKey] = set()  # tenants whose next request waits for a prefix being computed
+        # The top class's work first, under the token budget only; then the lower classes', within the time limit.
+        for lower in (False, True):
+            if lower:
+                room.limit_s = self._limit_s(room.top, plan.shape)
+            self._serve_running(plan, room, lower)
+            self._admit_waiting(plan, room, lower, inflight, no_room, deferred)
+        return plan
 
+    def _serve_running(self, plan: StepPlan, room: _StepRoom, lower: bool) -> None:
+        """Plans the pending tokens of the running requests of the top class (or, `lower`, of the classes
+        below it) that are not planned yet; preempts from the end of `running` when pages run out."""
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and room.tokens > 0:
             req = self.running[i]
-            if req.request_id in fresh:
-                i += 1
+            i += 1
+            if req.request_id in room.planned or self._is_lower(req, room) != lower:
                 continue
-            n = min(req.num_pending_tokens, budget)
+            n = self._num_new_tokens(req, plan, room)
+            if n == 0:
+                continue  # the time is spent for it; a decode of another may still fit
             alloc = self.kv.allocate_slots(req.request_id, n)
             while alloc is None:
-                short = True
-                victim = self._pop_victim(fresh)
+                room.admitting = False  # memory is short: admit nobody
+                victim = self._pop_victim(room.planned)
                 self._preempt(victim)
                 plan.preempted.append(victim)
                 if victim is req:
-                    break
+                    return  # the ones after it went first
                 alloc = self.kv.allocate_slots(req.request_id, n)
-            if alloc is None:
-                break
-            self._add_to_plan(plan, ScheduledRequest(req, n, alloc))
-            budget -= n
-            i += 1
+            self._add_to_plan(plan, room, ScheduledRequest(req, n, alloc))
 
-        inflight = self._inflight_hashes() if self.enable_prefix_caching and self.waiting else set()
-        no_room: set[str] = set()  # classes that found no pages this step
-        deferred: set[TenantKey] = set()  # tenants whose next request waits for a prefix being computed
-        while budget > 0 and len(self.running) < self.max_num_seqs and not short:
+    def _admit_waiting(self, plan: StepPlan, room: _StepRoom, lower: bool, inflight: set[BlockHash],
+                       no_room: set[str], deferred: set[TenantKey]) -> None:
+        """Admits waiting requests in the queue's order; before `lower`, only while its head is of the top class."""
+        while room.admitting and room.tokens > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting.peek(no_room, deferred)
-            if req is None:
-                break
+            if req is None or (not lower and self._is_lower(req, room)):
+                return
             if inflight and not inflight.isdisjoint(self._prompt_hashes(req)):
                 deferred.add((req.qos_class, req.cache_root))  # its prefix is being computed: wait and reuse it
                 continue
-            n = self._admit(req, plan, budget)
-            if n is None:
-                if req.high:
-                    break  # the reserve is open to high: nobody else would fit either
+            n = self._admit(req, plan, room)
+            if n == 0:  # the step's time is spent for its class; a top-class request behind it (aged past) goes
                 no_room.add(req.qos_class)
                 continue
-            budget -= n
+            if n is None:
+                if req.high:
+                    room.admitting = False  # the reserve is open to high: nobody else would fit either
+                    return
+                no_room.add(req.qos_class)
+                continue
             if self.enable_prefix_caching:
                 inflight.update(self._pending_prompt_hashes(req))
-        return plan
 
-    def _admit(self, req: Request, plan: StepPlan, budget: int) -> int | None:
-        """Starts a waiting request with its cached prefix and first chunk; the tokens it took, or None
-        (nothing changes) when its class finds no room."""
+    def _admit(self, req: Request, plan: StepPlan, room: _StepRoom) -> int | None:
+        """Starts a waiting request with its cached prefix and first chunk; the tokens it took, or (nothing
+        changes) None when its class finds no room, 0 when the step's time is spent."""
         self._adopt_cached_prefix(req)
-        n = min(req.num_pending_tokens, budget)
-        alloc = self.kv.allocate_slots(req.request_id, n, req.high)
+        n = self._num_new_tokens(req, plan, room)
+        alloc = self.kv.allocate_slots(req.request_id, n, req.high) if n else None
         if alloc is None:
             self.kv.free(req.request_id)  # the adopted pages go back to the cache
             req.num_computed_tokens = 0
-            return None
+            return 0 if n == 0 else None
         self.waiting.admitted(req, req.num_pending_tokens)
         self._start_running(req)
-        self._add_to_plan(plan, ScheduledRequest(req, n, alloc))
+        self._add_to_plan(plan, room, ScheduledRequest(req, n, alloc))
         return n
 
-    def _pop_victim(self, fresh: set[str]) -> Request:
-        """The last running request not admitted this step (those are in the plan already)."""
-        j = max(j for j, r in enumerate(self.running) if r.request_id not in fresh)
+    def _num_new_tokens(self, req: Request, plan: StepPlan, room: _StepRoom) -> int:
+        """Its pending tokens, within the token budget and, for a class below the top one, the time limit."""
+        n = min(req.num_pending_tokens, room.tokens)
+        if room.limit_s is None or not self._is_lower(req, room):
+            return n
+        cost = self.step_cost.current
+        if n == 1:
+            fits = 1 if cost.seconds(plan.shape.plus(num_decodes=1)) <= room.limit_s else 0
+        else:
+            fits = min(n, cost.prefill_tokens_within(plan.shape, room.limit_s))
+        # A step that would carry nothing still moves: a limit below the fixed overhead cannot stall the engine.
+        return fits or (min(n, self.kv.block_size) if plan.empty else 0)
+
+    def _is_lower(self, req: Request, room: _StepRoom) -> bool:
+        return RANK[req.qos_class] > RANK[room.top]
+
+    def _top_class(self) -> str:
+        """The highest class waiting, running, or gone less than step_budget_hold_s ago."""
+        now = self._clock()
+        for req in (*self.running, *self.waiting):
+            self._last_present[req.qos_class] = now
+        present = [c for c, t in self._last_present.items() if now - t <= self.step_budget_hold_s]
+        return min(present, key=RANK.__getitem__, default=QOS_CLASSES[-1])
+
+    def _limit_s(self, top: str, own: StepShape) -> float | None:
+        """The step's limit for lower classes' work, the top class's being planned (`own`); None when off.
+
+        Auto: lower classes add at most what a step of one decode costs (a lone request's inter-token latency)
+        to the top class's own work, or to one such step when it has none. An added cost, not a multiple: a
+        busy top class does not hand the others more (its latency would feed on itself), nor starve them."""
+        budget_ms = self.step_budget_ms[top]
+        if budget_ms is not None:
+            return budget_ms / 1e3 or None
+        cost = self.step_cost.current
+        one_decode = cost.seconds(StepShape(num_decodes=1))
+        return max(cost.seconds(own), one_decode) + one_decode
+
+    def _pop_victim(self, planned: set[str]) -> Request:
+        """The last running request not in the plan yet."""
+        j = max(j for j, r in enumerate(self.running) if r.request_id not in planned)
         return self.running.pop(j)
 
     def _make_room_for_waiting(self, plan: StepPlan, budget: int) -> Request | None:
         """Preempts lower-class running requests, lowest first, until the request next in line fits
         (its first chunk's pages, counted without cache hits; a seat if max_num_seqs are running).
-        Returns it when it preempted for it: it is admitted first."""
-        req = self.waiting.peek()
+        Returns it when it preempted for it: it is admitted first. The request is the highest waiting class's
+        next one, even when a lower one aged past it: aging orders admission, it does not take pages from
+        the classes it outranks."""
+        top = min((r.qos_class for r in self.waiting), key=RANK.__getitem__, default=None)
+        req = self.waiting.peek([c for c in QOS_CLASSES if top is not None and RANK[c] > RANK[top]])
         if req is None or not self.running or RANK[self.running[-1].qos_class] <= RANK[req.qos_class]:
             return None
         need = -(-min(req.num_pending_tokens, budget) // self.kv.block_size) + 1
@@ -221,9 +308,11 @@ class Scheduler:
             req.restore = hit.restore
             req.first_scheduled_time = time.monotonic()
 
-    def _add_to_plan(self, plan: StepPlan, s: ScheduledRequest) -> None:
+    def _add_to_plan(self, plan: StepPlan, room: _StepRoom, s: ScheduledRequest) -> None:
         # Any single new token attends like a decode, whatever its phase.
         (plan.decodes if s.num_new_tokens == 1 else plan.prefills).append(s)
+        room.tokens -= s.num_new_tokens
+        room.planned.add(s.request.request_id)
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)

@@ -35,7 +35,7 @@ def engine_status(state: DaemonState) -> dict:
 
 
 def qos_status(eng) -> dict:
-    """Requests per class, the reserved region (size, bounds, resizes) and pins."""
+    """Requests per class, the reserved region (size, bounds, resizes), pins and the step cost."""
     pool = eng.kv.pool
     reserve = pool.reserve
     by_class = {c: {"running": 0, "waiting": 0, "rejected": n} for c, n in eng.counters.rejected.items()}
@@ -54,7 +54,15 @@ def qos_status(eng) -> dict:
                         for r in reserve.history[-10:]],
         },
         "pins": len(eng.kv.pins), "pinned_pages": pool.num_pinned_blocks, "pin_budget_pages": eng.kv.pins.budget_pages,
+        "step_cost": step_cost_status(eng),
     }
+
+
+def step_cost_status(eng) -> dict:
+    """What a step costs as the engine measures it: the time-bounded steps plan with these."""
+    cost = eng.step_cost.current
+    return {"overhead_ms": cost.overhead_s * 1e3, "prefill_token_ms": cost.prefill_token_s * 1e3,
+            "decode_token_ms": cost.decode_token_s * 1e3, "steps_observed": eng.step_cost.num_observed}
 
 
 @routes.get("/admin/status")

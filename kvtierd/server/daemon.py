@@ -68,7 +68,8 @@ def build_state(settings: Settings) -> DaemonState:
 
 def qos_config(settings: Settings) -> QosConfig:
     return QosConfig(weights=settings.qos_weights, max_queue_s=settings.qos_max_queue_s, aging_s=settings.qos_aging_s,
-                     shed_low_after_s=settings.shed_low_after_s,
+                     shed_low_after_s=settings.shed_low_after_s, step_budget_ms=settings.step_budget_ms,
+                     step_budget_hold_s=settings.step_budget_hold_s,
                      reserved_share=settings.reserved_share, reserved_min_share=settings.reserved_min_share,
                      reserved_max_share=settings.reserved_max_share, reserved_window_s=settings.reserved_window_s,
                      pin_share=settings.pin_share)

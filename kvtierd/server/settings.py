@@ -136,6 +136,26 @@ def parse_class_map(value: Any) -> dict[str, float]:
     return out
 
 
+def parse_step_budgets(value: Any) -> dict[str, float | None]:
+    """`"high=auto,normal=250"` -> ms per QoS class: a number >= 0, auto (None) or off (0); a class not named is off."""
+    out: dict[str, float | None] = dict.fromkeys(QOS_CLASSES, 0.0)
+    named: set[str] = set()
+    for item in filter(None, (i.strip() for i in str(value).split(","))):
+        cls, _, budget = item.partition("=")
+        cls, budget = cls.strip().lower(), budget.strip().lower()
+        if cls not in QOS_CLASSES or cls in named:
+            raise ValueError(f"{value!r}: name each class ({', '.join(QOS_CLASSES)}) at most once, as class=ms")
+        named.add(cls)
+        if budget != "auto":
+            x = 0.0 if budget == "off" else parse_float(budget)
+            if not x >= 0:
+                raise ValueError(f"{value!r}: {cls} must be auto, off or a number of ms >= 0")
+            out[cls] = x
+        else:
+            out[cls] = None
+    return out
+
+
 def parse_tenant_classes(value: Any) -> dict[str, str]:
     """`"alice=high,batch=low"` -> tenant -> QoS class ("" -> none)."""
     out = {}
@@ -249,6 +269,13 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("shed_low_after_s", "qos", "shed_low_after_s", 0.0, float_at_least(0.0),
             "load shedding: while a high request has waited this long unadmitted, queued low requests get 503 "
             "with Retry-After (0: off; set it below high's max_queue_s)"),
+    Setting("step_budget_ms", "qos", "step_budget_ms", "high=auto,normal=auto", parse_step_budgets,
+            "while a request of a class is present, lower classes' work in a step is cut so the step's planned cost "
+            "(from measured step times) stays within this many ms: a number, auto (the class's own work plus a "
+            "one-decode step) or off; a class not named is off"),
+    Setting("step_budget_hold_s", "qos", "step_budget_hold_s", 5.0, float_at_least(0.0),
+            "a class counts as present for step_budget_ms this long after its last request left (a request arriving "
+            "mid-step waits for the step in flight)"),
     Setting("reserved_share", "qos", "reserved_share", 0.1, share,
             "share of device pages only high priority may take (the start size when it resizes)"),
     Setting("reserved_min_share", "qos", "reserved_min_share", 0.05, share, "floor of the resizing reserved region"),
@@ -315,6 +342,8 @@ class Settings:
     qos_max_queue_s: dict[str, float]
     qos_aging_s: float
     shed_low_after_s: float
+    step_budget_ms: dict[str, float | None]
+    step_budget_hold_s: float
     reserved_share: float
     reserved_min_share: float
     reserved_max_share: float

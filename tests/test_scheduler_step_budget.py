@@ -1,0 +1,235 @@
+"""Time-bounded steps: the scheduler on a real KV cache manager, with step costs injected into the cost model
+(no clock is read: the hold uses a fake one). The engine is played by `Sim`: it applies each plan as the
+model runner and the sampler would."""
+
+from __future__ import annotations
+
+import pytest
+
+from fake_clock import FakeClock
+from kvtierd.cache.block_hash import namespace_root
+from kvtierd.cache.kv_cache_manager import KVCacheManager
+from kvtierd.engine.config import QosConfig
+from kvtierd.engine.request import Request
+from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.engine.scheduler import Scheduler, StepPlan
+from kvtierd.engine.step_cost import StepCost, StepCostModel, StepShape
+
+ROOT = namespace_root("model-1", "")
+BLOCK = 16
+TOKENS_PER_STEP = 512
+# 10 ms a step, 1 ms a prefill token, 0.5 ms a decode: a full step of prefill costs 522 ms.
+COST = StepCost(overhead_s=0.010, prefill_token_s=0.001, decode_token_s=0.0005)
+OFF = {"high": 0.0, "normal": 0.0, "low": 0.0}
+
+
+class Sim:
+    def __init__(self, step_budget_ms: dict, hold_s: float = 2.0, num_blocks: int = 1024) -> None:
+        self.clock = FakeClock(100.0)
+        self.cost = StepCostModel(prior=COST)  # nothing observed: its costs are the prior's
+        self.scheduler = Scheduler(KVCacheManager(num_blocks, BLOCK, public_root=ROOT), TOKENS_PER_STEP, 64,
+                                   qos=QosConfig(step_budget_ms=step_budget_ms, step_budget_hold_s=hold_s),
+                                   step_cost=self.cost, clock=self.clock)
+        self.requests: dict[str, Request] = {}
+        self.token = 1000
+
+    def add(self, rid: str, qos_class: str, prompt_len: int, max_tokens: int) -> Request:
+        # Distinct prompts: nothing is shared through the prefix cache.
+        prompt = list(range(self.token, self.token + prompt_len))
+        self.token += prompt_len
+        req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), None, self.clock.now, ROOT,
+                      qos_class=qos_class)
+        self.requests[rid] = req
+        self.scheduler.add(req)
+        return req
+
+    def step(self) -> StepPlan:
+        """Plans a step and applies it; a step takes a simulated 0.1 s."""
+        plan = self.scheduler.schedule()
+        for s in plan.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.scheduler.kv.commit(req.request_id, req.cache_root, req.token_ids, req.num_computed_tokens)
+            if req.num_computed_tokens == req.num_tokens:
+                req.token_ids.append(7)
+                if req.num_output_tokens >= req.params.max_tokens:
+                    self.scheduler.remove(req)
+                    del self.requests[req.request_id]
+        self.clock.advance(0.1)
+        return plan
+
+    def run(self) -> list[StepPlan]:
+        plans = []
+        while self.requests:
+            plans.append(self.step())
+            assert len(plans) < 500
+        return plans
+
+
+def ids(plan: StepPlan) -> set[str]:
+    return {s.request.request_id for s in plan.scheduled}
+
+
+def tokens_of(plan: StepPlan, rid: str) -> int:
+    return sum(s.num_new_tokens for s in plan.scheduled if s.request.request_id == rid)
+
+
+@pytest.mark.parametrize("qos_class", ["low", "high"])
+def test_with_one_class_only_steps_are_as_today(qos_class):
+    """Budgets on (auto, or 50 ms) change nothing when no other class is present: the same steps as with them
+    off, and prefill in full chunks of the token budget."""
+    runs = []
+    for budget in (OFF, {"high": None, "normal": None, "low": None}, {"high": 50.0, "normal": 50.0, "low": 50.0}):
+        sim = Sim(budget)
+        for i in range(3):
+            sim.add(f"r{i}", qos_class, prompt_len=700, max_tokens=4)
+        runs.append([(sorted(ids(p)), p.num_tokens) for p in sim.run()])
+    assert runs[0] == runs[1] == runs[2]
+    assert [n for _, n in runs[0][:4]] == [TOKENS_PER_STEP] * 4  # 2,100 prompt tokens in steps of 512
+
+
+def test_a_high_request_arriving_during_a_low_flood_is_in_the_next_step():
+    """Running lows fill the token budget with prefill, more wait; a high request added now is admitted into
+    the very next step with its whole prompt, ahead of the low chunks (step budgets off: admission order alone)."""
+    sim = Sim(OFF)
+    for i in range(6):
+        sim.add(f"low{i}", "low", prompt_len=1000, max_tokens=64)
+    first = sim.step()
+    assert first.num_tokens == TOKENS_PER_STEP and "high" not in ids(first)
+    sim.add("high", "high", prompt_len=40, max_tokens=8)
+    plan = sim.step()
+    assert tokens_of(plan, "high") == 40
+    assert plan.num_tokens == TOKENS_PER_STEP  # the lows get what is left
+
+
+def test_a_step_stays_within_its_budget_while_a_high_request_waits_or_runs():
+    budget_ms = 100.0
+    sim = Sim({"high": budget_ms, "normal": 0.0, "low": 0.0})
+    for i in range(6):
+        sim.add(f"low{i}", "low", prompt_len=1000, max_tokens=8)
+    assert sim.step().num_tokens == TOKENS_PER_STEP  # no high yet: a full step
+    sim.add("high", "high", prompt_len=40, max_tokens=8)
+    plans = []
+    while "high" in sim.requests:
+        plans.append(sim.step())
+    assert tokens_of(plans[0], "high") == 40 and all(tokens_of(p, "high") == 1 for p in plans[1:])
+    assert len(plans) == 8  # its prefill, then one decode a step: never starved by low prefill
+    for p in plans:
+        assert COST.seconds(p.shape) <= budget_ms / 1e3 + 1e-9
+        assert p.num_tokens > tokens_of(p, "high")  # the lows still move, in finer chunks
+    assert max(s.num_new_tokens for p in plans for s in p.prefills if s.request.qos_class == "low") < 100
+
+
+def test_an_auto_budget_adds_at_most_a_one_decode_step_to_the_top_classs_own_work():
+    sim = Sim({"high": None, "normal": None, "low": None})
+    one_decode = COST.seconds(StepShape(num_decodes=1))  # 10.5 ms
+    for i in range(4):
+        sim.add(f"low{i}", "low", prompt_len=1000, max_tokens=8)
+    for i in range(3):
+        sim.add(f"normal{i}", "normal", prompt_len=300, max_tokens=30)
+    sim.add("high", "high", prompt_len=40, max_tokens=4)
+    plans = [sim.step() for _ in range(4)]
+    own = [StepShape(num_prefill_tokens=40)] + [StepShape(num_decodes=1)] * 3
+    for p, shape in zip(plans, own):
+        assert tokens_of(p, "high") == shape.num_prefill_tokens + shape.num_decodes
+        assert len(p.scheduled) > 1  # the others move too
+        assert COST.seconds(p.shape) <= COST.seconds(shape) + one_decode + 1e-9
+    # With high gone (and its hold over), normal is the top class: it runs unbounded, low is cut.
+    sim.clock.advance(10.0)
+    p = sim.step()
+    assert p.num_tokens == TOKENS_PER_STEP and {s.request.qos_class for s in p.scheduled} == {"normal"}
+
+
+def test_steps_stay_bounded_for_the_hold_after_the_last_high_request_then_full_chunks_return():
+    sim = Sim({"high": 60.0, "normal": 0.0, "low": 0.0}, hold_s=2.0)
+    for i in range(20):
+        sim.add(f"low{i}", "low", prompt_len=1000, max_tokens=2)
+    sim.add("high", "high", prompt_len=20, max_tokens=1)
+    sim.step()
+    assert "high" not in sim.requests
+    bounded = [sim.step() for _ in range(19)]  # 1.9 s of simulated steps after it left
+    assert all(COST.seconds(p.shape) <= 0.060 + 1e-9 for p in bounded)
+    sim.clock.advance(1.0)  # past the hold
+    assert sim.step().num_tokens == TOKENS_PER_STEP
+
+
+def test_a_high_request_is_not_held_behind_low_ones_that_aged_past_it():
+    """Lows waiting long enough outscore a fresh high in the queue (aging); they may be admitted first, but when
+    the step's time is spent for them the high one behind still goes into this step."""
+    sim = Sim({"high": 30.0, "normal": 0.0, "low": 0.0})
+    for i in range(4):
+        sim.add(f"low{i}", "low", prompt_len=1000, max_tokens=2)
+    sim.step()
+    for i in range(4, 8):
+        sim.add(f"low{i}", "low", prompt_len=200, max_tokens=2)
+    sim.clock.advance(300.0)  # they waited 300 s: weight 1 + 30 beats a fresh high's 8
+    sim.add("high", "high", prompt_len=40, max_tokens=2)
+    assert sim.scheduler.waiting.peek().qos_class == "low"
+    assert tokens_of(sim.step(), "high") == 40
+
+
+def test_a_high_request_takes_pages_from_running_lows_even_when_waiting_lows_aged_past_it():
+    sim = Sim({"high": 100.0, "normal": 0.0, "low": 0.0}, num_blocks=68)
+    for i in range(2):
+        sim.add(f"low{i}", "low", prompt_len=520, max_tokens=30)
+    for _ in range(3):  # no high yet: full steps; the two lows hold 66 of the 68 pages
+        sim.step()
+    sim.add("low-queued", "low", prompt_len=500, max_tokens=2)
+    sim.clock.advance(300.0)  # it outscores a fresh high now
+    sim.add("high", "high", prompt_len=40, max_tokens=2)
+    assert sim.scheduler.waiting.peek().request_id == "low-queued"
+    plan = sim.step()
+    assert tokens_of(plan, "high") == 40 and [r.request_id for r in plan.preempted] == ["low1"]
+
+
+def test_a_budget_below_the_step_overhead_still_moves_the_lower_classes():
+    """5 ms cannot hold even a step's fixed 10 ms: with no high request left to run, a held step still carries
+    a page of low prefill, so the engine never stalls."""
+    sim = Sim({"high": 5.0, "normal": 0.0, "low": 0.0}, hold_s=100.0)
+    sim.add("high", "high", prompt_len=20, max_tokens=1)
+    sim.step()
+    sim.add("low", "low", prompt_len=100, max_tokens=1)
+    plans = [sim.step() for _ in range(3)]
+    assert [p.num_tokens for p in plans] == [BLOCK] * 3
+
+
+# --- the cost model -------------------------------------------------------------------------------------------
+
+
+def test_the_cost_model_fits_overhead_and_per_token_costs_from_observed_steps():
+    truth = StepCost(overhead_s=0.040, prefill_token_s=0.0008, decode_token_s=0.002)
+    model = StepCostModel()
+    shapes = [StepShape(p, d) for p in (0, 16, 128, 512, 2048) for d in (0, 1, 8, 32) if p or d]
+    for _ in range(5):
+        for s in shapes:
+            model.observe(s, truth.seconds(s))
+    fit = model.current
+    assert fit.overhead_s == pytest.approx(truth.overhead_s, rel=0.02)
+    assert fit.prefill_token_s == pytest.approx(truth.prefill_token_s, rel=0.02)
+    assert fit.decode_token_s == pytest.approx(truth.decode_token_s, rel=0.02)
+    assert fit.prefill_tokens_within(StepShape(0, 10), 0.100) == int((0.100 - 0.060) / 0.0008)
+
+
+def test_the_cost_model_follows_a_change_and_keeps_what_it_cannot_see_at_the_prior():
+    prior = StepCost(overhead_s=0.02, prefill_token_s=0.001, decode_token_s=0.001)
+    model = StepCostModel(prior=prior, half_life_steps=16)
+    assert model.current == prior
+    slow = StepCost(overhead_s=0.1, prefill_token_s=0.004, decode_token_s=0.003)
+    for i in range(200):  # only decodes: the prefill cost cannot be told apart, it stays the prior's
+        shape = StepShape(0, 1 + i % 16)
+        model.observe(shape, slow.seconds(shape))
+    assert model.current.prefill_token_s == pytest.approx(prior.prefill_token_s, rel=0.05)
+    assert model.current.seconds(StepShape(0, 8)) == pytest.approx(slow.seconds(StepShape(0, 8)), rel=0.05)
+    fast = StepCost(overhead_s=0.01, prefill_token_s=0.0005, decode_token_s=0.0005)
+    for i in range(200):  # the machine got faster: the old steps fade
+        shape = StepShape(64 * (i % 5), i % 7)
+        model.observe(shape, fast.seconds(shape))
+    assert model.current.seconds(StepShape(256, 4)) == pytest.approx(fast.seconds(StepShape(256, 4)), rel=0.05)
+
+
+def test_the_cost_model_keeps_its_coefficients_non_negative():
+    model = StepCostModel()
+    for n in (1, 2, 4, 8, 16, 32):  # more decodes, less time: a noisy machine can say so
+        model.observe(StepShape(0, n), 0.05 - 0.001 * n)
+    fit = model.current
+    assert min(fit.overhead_s, fit.prefill_token_s, fit.decode_token_s) >= 0
