@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from waiting import HANG_GUARD_S, wait_until
 
 
 @dataclass
@@ -61,7 +62,7 @@ def start_daemon(root: Path, *args: str, env: dict[str, str] | None = None, wait
     return daemon
 
 
-def wait_ready(daemon: Daemon, timeout: float = 120) -> None:
+def wait_ready(daemon: Daemon, timeout: float = HANG_GUARD_S) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if daemon.process.poll() is not None:
@@ -91,13 +92,11 @@ def engine_status(c: httpx.Client) -> dict:
     return c.get("/admin/status").json()["engine"]
 
 
-def wait_idle(c: httpx.Client, timeout: float = 20.0) -> dict:
+def wait_idle(c: httpx.Client) -> dict:
     """Polls /admin/status until no request runs or waits and no page is held; returns the engine's status."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def idle() -> dict | None:
         e = engine_status(c)
-        if e["used_blocks"] == 0 and e["running"] == 0 and e["waiting"] == 0:
-            return e
-        if time.monotonic() > deadline:
-            pytest.fail(f"the engine is not idle {timeout} s later: {e}")
-        time.sleep(0.05)
+        return e if e["used_blocks"] == 0 and e["running"] == 0 and e["waiting"] == 0 else None
+
+    return wait_until(idle, "the engine going idle (no request running or waiting, no page held)")

@@ -14,7 +14,6 @@ import os
 import shutil
 import subprocess
 import tempfile
-import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -29,6 +28,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_fixtures import Daemon
+from waiting import wait_until
 
 T = TypeVar("T")
 
@@ -98,12 +98,14 @@ def disk_metric(c: httpx.Client, name: str) -> float:
 
 
 
-def wait_disk_settled(c: httpx.Client, timeout: float = 30.0) -> dict:
+def wait_disk_settled(c: httpx.Client) -> dict:
     """Waits until the disk writer has committed what it was given; returns the disk tier's stats."""
-    deadline = time.monotonic() + timeout
-    while (disk := tiers(c)["disk"])["pending_writes"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return disk
+
+    def settled() -> dict | None:
+        disk = tiers(c)["disk"]
+        return None if disk["pending_writes"] else disk
+
+    return wait_until(settled, "the disk writer committing what it was given")
 
 
 def errors_5xx(c: httpx.Client) -> int:

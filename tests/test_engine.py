@@ -203,3 +203,13 @@ def test_a_vanishing_temperature_is_greedy_not_a_crash(loaded, make_engine):
     greedy = make_engine().generate([p], SamplingParams(max_tokens=6, temperature=0.0))[0]
     for t in (5e-324, 1e-30, 1e-5):
         assert make_engine().generate([p], SamplingParams(max_tokens=6, temperature=t, seed=1))[0] == greedy
+
+
+def test_a_vanishing_top_p_keeps_the_best_token_not_a_crash(loaded, make_engine):
+    """Found by the API fuzzer: a top_p under float32's least value compared as 0, every token was dropped and
+    sampling failed the whole step. The nucleus always holds the best token: so tiny a top_p is greedy."""
+    p = chat(loaded, "Name a planet.")
+    greedy = make_engine().generate([p], SamplingParams(max_tokens=6, temperature=0.0))[0]
+    for top_p in (5e-324, 1e-300):
+        params = SamplingParams(max_tokens=6, temperature=1.0, top_p=top_p, seed=1)
+        assert make_engine().generate([p], params)[0] == greedy

@@ -15,7 +15,6 @@ import random
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ import pytest
 
 from daemon_fixtures import Daemon, start_daemon
 from daemon_fixtures import wait_idle
+from waiting import wait_until
 from fault_fixtures import (OFFLOAD_ENV, checked_session_turns, disk_metric, errors_5xx, in_parallel, kill9, new_session, open_kv, question, remove_root, report, session_turn, short_root, small_filesystem, stop_cleanly, stored_keys, system_prompt, tiers, wait_disk_settled)
 from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.store_errors import StoreUnavailableError
@@ -260,9 +260,9 @@ def test_flipped_bytes_in_stored_values_are_caught_and_never_served(daemons, cap
     turns = checked_session_turns(d, [(sid, question(2)) for sid in daemons.sessions])
     assert all(t.cached_by_tier["disk"] == 0 for t in turns), [t.cached_by_tier for t in turns]
     with d.client() as c:
-        deadline = time.monotonic() + 30
-        while (disk := tiers(c)["disk"])["corrupt"] < SESSIONS and time.monotonic() < deadline:
-            time.sleep(0.05)  # quarantining runs on the disk writer's thread
+        # Quarantining runs on the disk writer's thread.
+        wait_until(lambda: tiers(c)["disk"]["corrupt"] >= SESSIONS, "every damaged session's value quarantined")
+        disk = tiers(c)["disk"]
         assert disk["corrupt"] >= SESSIONS and disk["healthy"], disk
         assert disk_metric(c, "kvtierd_tier_corrupt_values_total") == disk["corrupt"]
         assert errors_5xx(c) == 0

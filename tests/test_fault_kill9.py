@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from daemon_fixtures import Daemon, start_daemon
+from waiting import wait_until
 from fault_fixtures import (OFFLOAD_ENV, checked_session_turns, kill9, new_session, question, remove_root, report,
                             short_root, stop_cleanly, stored_keys, stored_turns, system_prompt, tiers)
 
@@ -137,10 +138,8 @@ def test_kill_9_in_a_loop_during_heavy_offload(capsys):
         for _ in range(KILLS):
             load = Load(daemon, clients)
             load.start()
-            deadline = time.monotonic() + 60
-            while min(load.completed) < 1 and not load.errors:  # every client is well into its session
-                assert time.monotonic() < deadline, load.completed
-                time.sleep(0.05)
+            wait_until(lambda: min(load.completed) >= 1 or load.errors,  # every client well into its session
+                       "every client completing a turn")
             t = while_writing_to_disk(daemon, rng.uniform(0.5, 2.0))
             kill9(daemon)
             load.join()

@@ -168,7 +168,7 @@ def test_clients_that_hang_up_at_random_leave_nothing_behind(holder, capsys):
         t.join(120)
     assert not errors, errors
     with d.client() as c:
-        status = wait_idle(c, timeout=30)  # no request runs or waits, no page is held
+        status = wait_idle(c)  # no request runs or waits, no page is held
         assert metrics(c)[("kvtierd_http_active_streams", ())] == 0
         assert errors_5xx(c) == base_5xx
         assert set(out.statuses) <= {200}, out.statuses

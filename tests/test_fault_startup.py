@@ -147,8 +147,11 @@ def test_a_startup_fault_is_one_clear_line(outcomes, name):
 
 
 def test_the_startup_faults_figures(outcomes, capsys):
+    """The suite's summary line, asserted: every case that ran failed clearly and none printed a traceback."""
     done = [o for o in outcomes.values() if isinstance(o, Outcome)]
     clear = sum(o.exit_code != 0 and len(o.lines) == 1 and o.lines[0].startswith(o.expected) for o in done)
-    report(capsys, "startup faults", cases=len(done), one_clear_line_and_non_zero_exit=clear,
-           tracebacks=sum("Traceback" in "\n".join(o.lines) or len(o.lines) > 1 for o in done),
+    tracebacks = sum("Traceback" in "\n".join(o.lines) or len(o.lines) > 1 for o in done)
+    report(capsys, "startup faults", cases=len(done), one_clear_line_and_non_zero_exit=clear, tracebacks=tracebacks,
            skipped=len(outcomes) - len(done))
+    assert done, "no startup fault ran"
+    assert (clear, tracebacks) == (len(done), 0)

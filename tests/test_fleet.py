@@ -8,13 +8,13 @@ tampered with in Redis is never served.
 from __future__ import annotations
 
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from daemon_fixtures import Daemon, start_daemon
+from waiting import wait_until
 
 GREEDY = {"temperature": 0, "max_tokens": 6, "logprobs": True}
 DOC = "Fleet notes: every host keeps its own device pages, and the remote tier holds chunks for all. " * 10
@@ -47,12 +47,9 @@ def remote_tier(daemon: Daemon) -> dict:
         return next(t for t in c.get("/admin/tiers").json()["tiers"] if t["name"] == "remote")
 
 
-def settled(daemon: Daemon, timeout: float = 30) -> None:
+def settled(daemon: Daemon) -> None:
     """Waits until the daemon's remote writes are stored."""
-    deadline = time.monotonic() + timeout
-    while remote_tier(daemon)["pending_writes"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert remote_tier(daemon)["pending_writes"] == 0
+    wait_until(lambda: remote_tier(daemon)["pending_writes"] == 0, "the remote writes being stored")
 
 
 def by_tier(reply: dict) -> dict:
@@ -131,15 +128,17 @@ def test_redis_going_away_loses_no_request_and_its_return_brings_the_tier_back(f
     finally:
         redis_server.start()
     chat(a, "fl-up", ask("Back?"))
-    deadline = time.monotonic() + 60
-    while not remote_tier(a)["healthy"] and time.monotonic() < deadline:
-        chat(a, "fl-up", ask("Back?"))
-        time.sleep(0.5)
+
+    def healthy_after_a_request(daemon: Daemon, tenant: str, question: str) -> bool:
+        chat(daemon, tenant, ask(question))  # a request lets the circuit breaker probe
+        return remote_tier(daemon)["healthy"]
+
+    wait_until(lambda: remote_tier(a)["healthy"] or healthy_after_a_request(a, "fl-up", "Back?"),
+               "host A finding the remote tier again", poll_s=0.5)
     settled(a)
     # B's circuit breaker probes again after its backoff (up to 30 s): other questions until it has.
-    while not remote_tier(b)["healthy"] and time.monotonic() < deadline:
-        chat(b, "fl-probe", ask("Still there?"))
-        time.sleep(0.5)
+    wait_until(lambda: remote_tier(b)["healthy"] or healthy_after_a_request(b, "fl-probe", "Still there?"),
+               "host B's circuit breaker closing again", poll_s=0.5)
     warm = chat(b, "fl-up", ask("Back?"))
     assert by_tier(warm)["remote"] > 0 or by_tier(warm)["device"] > 0, warm["kvtierd"]
 

@@ -14,12 +14,15 @@ import os
 import socket
 import tempfile
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
+from jsonschema_rs import Draft202012Validator  # schemathesis's own validator
+from schemathesis.core import NOT_SET
 
 from daemon_fixtures import Daemon, start_daemon
 
@@ -27,6 +30,8 @@ FUZZED = Counter()  # (route, status) -> count, printed at the end
 # CI replays the same generated requests every run (a landing must not hinge on luck);
 # KVTIERD_FUZZ_EXPLORE=1 draws new ones each run, to look for new failures.
 EXPLORE = os.environ.get("KVTIERD_FUZZ_EXPLORE") == "1"
+MAIN_ROUTES = {("/v1/chat/completions", "POST"), ("/v1/completions", "POST"), ("/v1/sessions", "POST"),
+               ("/v1/sessions/{session_id}/messages", "POST")}
 
 
 @pytest.fixture(scope="module")
@@ -83,18 +88,51 @@ def send(http: httpx.Client, case) -> httpx.Response:
                         content=kw.get("content", kw.get("data")))
 
 
+@dataclass(frozen=True)
+class BodySchema:
+    """A route's request body as its OpenAPI document states it (3.1: JSON Schema 2020-12)."""
+
+    validator: Draft202012Validator
+    required: bool
+
+    def refuses(self, body: object) -> bool:
+        """No body where one is required, a body of another media type (bytes), or JSON the schema breaks."""
+        if body is NOT_SET or body == b"":
+            return self.required
+        return isinstance(body, bytes) or not self.validator.is_valid(body)
+
+
+def body_schema(path: str, method: str) -> BodySchema | None:
+    from kvtierd.server.openapi import DOCUMENT
+
+    body = DOCUMENT["paths"][path][method.lower()].get("requestBody")
+    if body is None:
+        return None
+    return BodySchema(Draft202012Validator(body["content"]["application/json"]["schema"]), body.get("required", False))
+
+
 @pytest.mark.parametrize("path,method,mode", operations())
 def test_generated_requests_never_get_a_5xx(http, schema, path, method, mode):
+    """And on the main routes, a body that breaks the schema gets a 4xx: refused, not served."""
     strategy = schema[path][method].as_strategy(generation_mode=schemathesis.GenerationMode(mode))
+    schema_of_body = body_schema(path, method) if (path, method) in MAIN_ROUTES else None
+    refused = []
 
     @settings(max_examples=12, deadline=None, database=None, derandomize=not EXPLORE,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow,
                                      HealthCheck.filter_too_much])
     @given(strategy)
     def run(case):
-        check(send(http, case), f"{method} {path}")
+        r = send(http, case)
+        check(r, f"{method} {path}")
+        if schema_of_body is not None and schema_of_body.refuses(case.body):
+            assert 400 <= r.status_code < 500, f"{method} {path} served a body that breaks its schema: " \
+                                               f"{case.body!r:.300} -> {r.status_code}"
+            refused.append(r.status_code)
 
     run()
+    if schema_of_body is not None and mode == "negative":
+        assert refused, "no generated body broke the schema: the 4xx check checked nothing"
 
 
 HOSTILE: list[bytes] = [
@@ -138,9 +176,17 @@ POST_ROUTES = ["/v1/chat/completions", "/v1/completions", "/v1/sessions", "/v1/s
 
 @pytest.mark.parametrize("route", POST_ROUTES)
 def test_hostile_bodies_get_clear_4xx(http, route):
+    """Every hostile body its route's schema refuses (not JSON, or JSON the schema breaks) gets a 4xx."""
+    schema_of_body = body_schema(route.replace("/nope/", "/{session_id}/"), "POST")
     for body in HOSTILE:
         r = http.post(route, content=body, headers={"Content-Type": "application/json"})
         check(r, f"POST {route} (hostile)")
+        try:
+            parsed = json.loads(body)
+        except (ValueError, RecursionError):
+            parsed = body  # not JSON (or nested past what a parser takes): breaks any schema
+        if schema_of_body.refuses(parsed):
+            assert 400 <= r.status_code < 500, (body[:80], r.status_code)
         assert r.status_code != 200 or route in ("/v1/chat/completions", "/v1/sessions"), body[:80]
 
 

@@ -2,8 +2,10 @@
 
 Twice per target (sm_80, sm_90): through NVRTC with the options CuPy's
 RawModule gives it at run time, and through `nvcc --ptx`. Either must finish
-with an empty log: a warning fails the test like an error does. Numerics are
-checked on a GPU in test_kernels_gpu.py.
+with an empty log: a warning fails the test like an error does. On a GPU host
+(marked gpu, skipped elsewhere) every kernel also loads through CuPy for the
+device's own architecture and one tiny launch writes KV. Numerics are checked
+on a GPU in test_kernels_gpu.py.
 """
 
 from __future__ import annotations
@@ -123,3 +125,36 @@ def test_bench_kernels_without_a_gpu_says_why_in_one_line():
                           text=True, timeout=120)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.strip().startswith("error: kernel benchmarks need a CUDA GPU")
+
+
+# --- on a GPU host: the same sources through CuPy's loader, for this device's own architecture ---------------
+
+@pytest.fixture
+def gpu():
+    if not cuda_backend.cuda_kernels_available():
+        pytest.skip("needs a CUDA GPU and cupy (the 'cuda' extra)")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("filename", FILES)
+def test_every_kernel_loads_through_cupy_on_this_gpu(gpu, filename):
+    """RawModule compiles the file for the GPU present (its arch, not only sm_80/sm_90) and the driver
+    loads each kernel from the binary: what the daemon does on its first step."""
+    import cupy
+
+    with cupy.cuda.Device(0):
+        for name in cuda_backend.KERNEL_FILES[filename]:
+            kernel = cuda_backend._kernel(name, 0)
+            assert kernel.num_regs > 0 and kernel.max_threads_per_block >= 128, name
+
+
+@pytest.mark.gpu
+def test_a_tiny_launch_writes_kv_where_its_slots_say(gpu):
+    cache = torch.zeros(2, 4, 1, 32, dtype=torch.float16, device="cuda")  # 2 pages of 4 tokens, 1 head of 32
+    k_cache, v_cache = cache.clone(), cache.clone()
+    k = torch.arange(1, 65, dtype=torch.float16, device="cuda").reshape(2, 1, 32)
+    cuda_backend.write_kv(k_cache, v_cache, k, -k, torch.tensor([6, 1], device="cuda"))
+    torch.cuda.synchronize()
+    flat_k, flat_v = k_cache.reshape(8, 1, 32), v_cache.reshape(8, 1, 32)
+    assert torch.equal(flat_k[6], k[0]) and torch.equal(flat_k[1], k[1]) and torch.equal(flat_v[6], -k[0])
+    assert int(torch.count_nonzero(flat_k[[0, 2, 3, 4, 5, 7]])) == 0  # nothing else written

@@ -34,6 +34,7 @@ FAMILIES = {  # name (as the parser gives it: a counter without _total) -> type
     "kvtierd_cache_hit_tokens_by_source": "counter",
     "kvtierd_generated_tokens": "counter",
     "kvtierd_preemptions": "counter",
+    "kvtierd_aborted_requests": "counter",
     "kvtierd_pages": "gauge",
     "kvtierd_pages_capacity": "gauge",
     "kvtierd_cache_evictions": "counter",

@@ -55,15 +55,29 @@ def test_a_request_takes_its_tenants_class_and_is_capped(daemon):
 @contextlib.asynccontextmanager
 async def seat_taken(c, priority: str):
     """Streams a long request and yields once its first token is out: it holds the one seat (it runs) until the
-    block ends and the stream is closed, which aborts it. No clock: its first chunk says it runs."""
+    block ends and the stream is closed, which aborts it. No clock: its first chunk says it runs. The stream is
+    read to the end meanwhile (leaving the iteration early would close the connection, and abort it)."""
     body = {"prompt": "1, 2, 3, 4, 5, 6, 7,", "max_tokens": 1000, "temperature": 0, "priority": priority,
             "stream": True}
     async with c.stream("POST", "/v1/completions", json=body) as long:
         assert long.status_code == 200
-        async for line in long.aiter_lines():
-            if line.startswith("data: "):
-                break
-        yield
+        running = asyncio.Event()
+
+        async def read() -> None:
+            try:
+                async for line in long.aiter_lines():
+                    if line.startswith("data: "):
+                        running.set()
+            finally:
+                running.set()
+
+        reader = asyncio.create_task(read())
+        await running.wait()
+        assert not reader.done(), "the long request ended before the test could use its seat"
+        try:
+            yield
+        finally:
+            reader.cancel()
 
 
 def test_a_request_waiting_past_its_class_limit_gets_503_with_retry_after(daemon):

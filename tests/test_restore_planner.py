@@ -60,11 +60,21 @@ def test_nothing_found_is_not_a_decision() -> None:
     assert p.plan([]).decision == "none" and not p.decisions
 
 
-def test_rates_are_moving_averages_and_noise_is_ignored() -> None:
+def test_rates_are_moving_averages_and_short_timings_are_pooled() -> None:
     p = RestorePlanner()
     p.observe_load("disk", 100, 1.0)
     p.observe_load("disk", 200, 1.0)
     assert p.rates()[0]["disk"] == pytest.approx(120)  # 100 + 0.2 * (200 - 100)
-    p.observe_load("disk", 10**9, 1e-6)  # too short to time
-    p.observe_prefill(0, 1.0)
+    p.observe_load("disk", 10**3, 2e-5)  # too short to count alone: held back
+    p.observe_prefill(0, 1.0)  # nothing computed: no rate
     assert p.rates() == ({"disk": pytest.approx(120)}, None)
+    p.observe_load("disk", 4 * 10**3, 8e-5)  # with the one held back: 5,000 bytes in 0.1 ms
+    assert p.rates()[0]["disk"] == pytest.approx(120 + 0.2 * (5e7 - 120))
+
+
+def test_the_first_timing_sets_a_rate_however_short() -> None:
+    """A fast host loads a small chunk in microseconds: the rate is known after one load all the same."""
+    p = RestorePlanner()
+    p.observe_load("host", 10**6, 1e-6)
+    p.observe_prefill(16, 1e-6)
+    assert p.rates() == ({"host": pytest.approx(1e12)}, pytest.approx(1.6e7))

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import sqlite3
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 
 from daemon_fixtures import Daemon, start_daemon
+from waiting import wait_until
 
 ENV = {"KVTIERD_HOST_BYTES": "64MiB", "KVTIERD_DISK_BYTES": "1GiB"}
 GREEDY = {"temperature": 0, "max_tokens": 12, "logprobs": True}
@@ -86,9 +86,7 @@ def test_a_session_continues_from_disk_after_kill_9(uninterrupted):
         for q in QUESTIONS[:3]:
             turn(first, sid, q)
         # A turn's chunks are committed by the disk writer a moment after its reply.
-        deadline = time.monotonic() + 30
-        while tiers(first)["disk"]["pending_writes"] and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: tiers(first)["disk"]["pending_writes"] == 0, "the disk writer committing the turns")
         first.process.kill()
         first.process.wait(30)
         second = start_daemon(Path(root), env=ENV)  # replaces the stale socket
@@ -137,9 +135,7 @@ def test_startup_reconciles_the_disk_tier_with_the_chunk_catalog_and_warms_recen
             assert 'kvtierd_disk_orphans_removed_total{side="rows"} 1.0' in metrics
             assert "1 orphan row(s) removed" in second.log_text()
             # The surviving session was warmed into the host tier at startup: its next turn loads from memory.
-            deadline = time.monotonic() + 30
-            while "warmed into the host tier" not in second.log_text() and time.monotonic() < deadline:
-                time.sleep(0.05)
+            wait_until(lambda: "warmed into the host tier" in second.log_text(), "the startup warm-up ending")
             assert tiers(second)["host"]["entries"] == len(keys_of[kept]), second.log_text()
             reply = turn(second, kept, QUESTIONS[1])
             assert reply["kvtierd"]["cached_tokens_by_tier"]["disk"] >= 0.9 * reply["usage"]["prompt_tokens"]

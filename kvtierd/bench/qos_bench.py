@@ -4,8 +4,11 @@ Real `kvtierd serve` processes on Unix sockets, real clients over the socket
 (httpx, streamed completions, SSE). Low clients flood: each sends long prompts
 (`low_prompt_tokens` random token ids, nothing shared through the cache) for
 `low_reply_tokens` replies, back to back, so a few times more requests are
-in flight than the device pool holds. After a head start, high requests
-arrive at scheduled times, one every `high_every_s`, each from its own task:
+in flight than the device pool holds. High requests arrive at scheduled
+times, one every `high_every_s`, each from its own task; the stream starts
+first, the flood joins it, and the samples are the high requests scheduled
+after the flood's head start (a stream, not the first high request after a
+quiet spell, which waits for a step planned with no high present):
 
     scheduled arrival ── first content chunk ── chunk ── chunk ...
     |<------------- TTFT -------------->|<- ITL ->|
@@ -18,8 +21,10 @@ Runs, same schedule in each:
     no budget      flood + stream, classes (admission, reserve, preemption) but step_budget_ms off
     no qos         flood + stream, every request normal, step_budget_ms off: one class
 
-Low throughput is the low requests' completion tokens, of those that ended
-while the high stream ran, per second of it; the target compares qos with no
+Low throughput is the text chunks the low clients received while the sampled
+high stream ran, per second of it (a chunk is a token, or a few when text is
+held back until it decodes cleanly: alike in every run); low TTFT and ITL are
+of the low requests that ended in that time. The target compares qos with no
 budget (QoS off: the step budget off).
 """
 
@@ -28,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import math
 import os
 import platform
 import random
@@ -56,7 +62,7 @@ class QosWorkload:
     low_clients: int = 16
     low_prompt_tokens: int = 1000
     low_reply_tokens: int = 64
-    head_start_s: float = 5.0  # the flood fills the pages before the first high request
+    head_start_s: float = 5.0  # the flood fills the pages (the high stream running already) before the samples
     kv_cache: str = "128MiB"
     step_budget: str = "high=auto,normal=auto"  # the qos run's [qos] step_budget_ms
     seed: int = 0
@@ -74,6 +80,7 @@ class Timing:
 @dataclass(slots=True)
 class RunLog:
     timings: list[Timing] = field(default_factory=list)
+    chunk_times: list[float] = field(default_factory=list)  # when each text chunk came, of every request
     errors: int = 0
 
 
@@ -98,8 +105,9 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int, priority: str,
-                  start: float) -> Timing:
-    """One streamed completion; TTFT from `start` (perf_counter), which may be before it was sent."""
+                  start: float, chunk_times: list[float] | None = None) -> Timing:
+    """One streamed completion; TTFT from `start` (perf_counter), which may be before it was sent. Each text
+    chunk's arrival also goes to `chunk_times` as it comes (a request cut short still counts)."""
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}, "priority": priority}
     arrivals: list[float] = []
@@ -116,6 +124,8 @@ async def _stream(client: httpx.AsyncClient, prompt: list[int], max_tokens: int,
                 raise ServeBenchError(f"the stream ended with an error: {chunk['error']}")
             if any(c.get("text") for c in chunk.get("choices", [])):
                 arrivals.append(time.perf_counter())
+                if chunk_times is not None:
+                    chunk_times.append(arrivals[-1])
             tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
     if not arrivals:
         raise ServeBenchError("a stream carried no text")
@@ -128,7 +138,7 @@ async def _low_client(socket, w: QosWorkload, rng: random.Random, priority: str,
         while True:
             try:
                 log.timings.append(await _stream(client, _prompt(rng, w.low_prompt_tokens), w.low_reply_tokens,
-                                                 priority, time.perf_counter()))
+                                                 priority, time.perf_counter(), log.chunk_times))
             except (ServeBenchError, httpx.HTTPError):
                 log.errors += 1
                 await asyncio.sleep(0.5)
@@ -147,23 +157,29 @@ async def _high_request(socket, w: QosWorkload, prompt: list[int], priority: str
 
 
 async def run_scenario(socket, w: QosWorkload, name: str, flood: bool, classes: bool) -> dict:
+    """The high stream starts first and runs on; the flood joins it, fills the pages for `head_start_s`, and
+    the high requests scheduled after that are the samples (the ones before are not measured)."""
     rng = random.Random(f"{w.seed}-{name}")
     high_priority, low_priority = ("high", "low") if classes else ("normal", "normal")
-    high_log, low_log = RunLog(), RunLog()
+    warm_log, high_log, low_log = RunLog(), RunLog(), RunLog()
+    start = time.perf_counter() + 0.5
+    num_warm = math.ceil(w.head_start_s / w.high_every_s) if flood else 0
+    t0 = start + num_warm * w.high_every_s  # the first sample
+    highs = [asyncio.create_task(_high_request(socket, w, _prompt(rng, w.high_prompt_tokens), high_priority,
+                                               start + i * w.high_every_s, high_log if i >= num_warm else warm_log))
+             for i in range(num_warm + w.high_requests)]
+    await asyncio.sleep(max(0.0, start + 0.1 - time.perf_counter()))  # the first high request is in
     lows = [asyncio.create_task(_low_client(socket, w, random.Random(rng.random()), low_priority, low_log))
             for _ in range(w.low_clients if flood else 0)]
-    t0 = time.perf_counter() + (w.head_start_s if flood else 0.5)
-    prompts = [_prompt(rng, w.high_prompt_tokens) for _ in range(w.high_requests)]
-    await asyncio.gather(*(_high_request(socket, w, p, high_priority, t0 + i * w.high_every_s, high_log)
-                           for i, p in enumerate(prompts)))
+    await asyncio.gather(*highs)
     t_end = time.perf_counter()
     for task in lows:
         task.cancel()
     await asyncio.gather(*lows, return_exceptions=True)
     low = [t for t in low_log.timings if t0 <= t.end <= t_end]
     return {"run": name, "high": _latencies(high_log.timings), "low": _latencies(low) if low else None,
-            "high_errors": high_log.errors, "low_errors": low_log.errors,
-            "low_tokens_per_s": sum(t.output_tokens for t in low) / (t_end - t0) if flood else None,
+            "high_errors": high_log.errors + warm_log.errors, "low_errors": low_log.errors,
+            "low_tokens_per_s": sum(t0 <= t <= t_end for t in low_log.chunk_times) / (t_end - t0) if flood else None,
             "window_s": t_end - t0}
 
 

@@ -17,10 +17,10 @@
 TTFT is engine time: from `add_request` to the step that returns the request's
 first token, with the engine stepped synchronously and nothing else running.
 
-The command runs torch on one thread unless told otherwise (`--threads`): on a
-small shared machine, a thread per core makes every small step wait for a core
-another process holds (a 16-token step measured 1.5 s on 2 threads beside a
-busy process, 0.13 s on 1), which swamps a cache hit's TTFT and the ratios.
+The command runs torch on the daemon's thread count (torch's default, one per
+core) unless `--threads` says otherwise, so recomputing gets the cores a real
+daemon would give it. On a busy shared machine that makes small steps wait for
+a core another process holds: run it alone, or compare `--threads 1` beside it.
 """
 
 from __future__ import annotations

@@ -215,16 +215,19 @@ def _tail(log: Path, lines: int = 30) -> str:
 
 
 @contextlib.contextmanager
-def started_daemon(timeout: float = READY_TIMEOUT_S, env: dict[str, str] | None = None) -> Iterator[Path]:
+def started_daemon(timeout: float = READY_TIMEOUT_S, root: Path | None = None,
+                   env: dict[str, str] | None = None) -> Iterator[Path]:
     """A `kvtierd serve` subprocess on a temporary socket and state dir; SIGTERM on exit. `env` adds settings.
 
-    The directory is short and under /tmp: a socket path must fit sun_path (~107 bytes)."""
-    root = Path(tempfile.mkdtemp(prefix="kvtierd-bench-", dir="/tmp"))
+    The directory is short and under /tmp: a socket path must fit sun_path (~107 bytes). Given a `root`,
+    the daemon uses it and leaves it (a restart in it finds the state of the one before)."""
+    own_root = root is None
+    root = Path(tempfile.mkdtemp(prefix="kvtierd-bench-", dir="/tmp")) if root is None else root
     socket, log = root / "kvtierd.sock", root / "daemon.log"
     env = {**os.environ, "KVTIERD_KV_CACHE_BYTES": os.environ.get("KVTIERD_KV_CACHE_BYTES", KV_CACHE_BYTES),
            **(env or {})}
     cmd = [sys.executable, "-m", "kvtierd.cli.main", "serve", "--socket", str(socket), "--state-dir", str(root / "state")]
-    with log.open("wb") as out:
+    with log.open("ab") as out:
         process = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         _wait_ready(process, socket, log, timeout)
@@ -237,7 +240,8 @@ def started_daemon(timeout: float = READY_TIMEOUT_S, env: dict[str, str] | None 
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
-        shutil.rmtree(root, ignore_errors=True)
+        if own_root:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def run_serve_bench(socket: Path | None, clients: list[int], requests_per_client: int = 2, max_tokens: int = 32,

@@ -1,14 +1,19 @@
-"""`kvtierd bench tiers`: the host and disk tiers against recomputing, in one process.
+"""`kvtierd bench tiers`: the host, disk and remote tiers against recomputing, in one process.
 
-- Restore: a `restore_tokens` prompt's KV, computed by the model, is stored in
-  the host tier only, or in the disk tier only (a tier manager with the host
-  off), and brought back the way a request brings it: `find_prefix` +
-  `adopt_prefix` on a cache manager with an empty device index over the same
-  device pool (lookup, then a load into fresh pages). Every restore is
-  compared byte for byte with the computed KV. Beside it, the prefill of the
-  same prompt (engine TTFT; each repetition in a tenant of its own, so nothing
-  is reused). The disk runs twice: warm (data.mdb in the OS page cache, as
-  written) and cold (its pages dropped before each restore).
+- Next turn: a session's `restore_tokens` prompt was computed; its next turn (the
+  same tokens and a short question) arrives when the prompt's KV is no longer on
+  the device, only in one tier: host, disk (warm: data.mdb in the OS page cache,
+  as written; cold: its pages dropped before each turn) or remote (a real
+  redis-server started by the bench, when `redis-server` is on PATH). The figure
+  is the turn's time to first token through the engine (`add_request` to its
+  first token: lookup, load, the prefill of the tokens left, the first decode),
+  each repetition on a fresh engine whose device holds nothing, beside the TTFT
+  of the same turn recomputed from scratch. Each restored turn's first token is
+  checked against the recomputed one's.
+- Through the daemon: the same comparison as a user sees it, over the socket
+  with streaming: a stored session's first turn, a SIGTERM and a restart (the
+  session's pages are flushed to disk and warmed back into the host tier), then
+  its next turn, beside the same next turn as a fresh tenant's request.
 - Disk bandwidth: chunks of real KV written through the disk tier's writer
   (`ChunkWriter`: encode, one fsynced LMDB transaction per chunk) and read
   back as a load reads them (`DiskStore.get_many` of one chunk, frame checks,
@@ -18,16 +23,19 @@
 - Working set: sessions whose KV is several times the device pool, one short
   turn each in round robin; TTFT and where the prompt tokens came from, with
   the host and disk tiers and device-only, on the same prompts (the replies
-  come from the tiered run). The rounds after the first are measured. The
-  default budgets keep the daemon's ratio (host tier 2 GiB for a 1 GiB device
-  pool). Round robin over more sessions than the device and host hold is
-  LRU's worst case: a session's chunks leave the host before its next turn,
+  come from the tiered run). The rounds after the first are measured. Each
+  turn's background disk writes are waited for before the next turn, and that
+  wait is reported beside the run's wall time, so their cost is in the table.
+  The default budgets keep the daemon's ratio (host tier 2 GiB for a 1 GiB
+  device pool). Round robin over more sessions than the device and host hold
+  is LRU's worst case: a session's chunks leave the host before its next turn,
   and its KV comes back from disk.
 
 Cold reads: POSIX_FADV_DONTNEED leaves alone the pages a process has mapped,
 and LMDB maps data.mdb, so a cold read closes the store, drops the file's
 pages and opens it again (outside the timing), as after a restart.
-Times are wall time, with torch on one thread unless `--threads` says otherwise; quote medians and ratios.
+Times are wall time, with torch on the daemon's thread count (torch's default) unless `--threads` says
+otherwise; quote medians and ratios.
 """
 
 from __future__ import annotations
@@ -35,6 +43,8 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import secrets
+import shutil
 import statistics
 import tempfile
 import time
@@ -44,10 +54,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kvtierd.bench.fleet_bench import REDIS_SERVER, redis_on_loopback
 from kvtierd.bench.report import median_time
-from kvtierd.bench.reuse_bench import document, follow_up, questions, run_request, warm_up
+from kvtierd.bench.reuse_bench import FirstToken, document, follow_up, questions, run_request, warm_up
 from kvtierd.cache.block_hash import namespace_root
-from kvtierd.cache.kv_cache_manager import KVCacheManager
 from kvtierd.engine.config import EngineConfig
 from kvtierd.engine.llm_engine import LLMEngine
 from kvtierd.model.loader import LoadedModel
@@ -58,11 +68,11 @@ from kvtierd.storage.geometry import KVGeometry
 from kvtierd.storage.kv_frame import ChunkIdentity, decode_frame
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, spans_of
 from kvtierd.tiers.chunk_writer import ChunkWriter
-from kvtierd.tiers.config import TierConfig, resolve_codec
+from kvtierd.tiers.config import RemoteConfig, TierConfig, resolve_codec
 from kvtierd.tiers.tier_manager import TierManager
 
-RESTORE_TARGET_MS = {"host": 30.0, "disk": 150.0}  # a 2,000-token session on CPU
-TARGET_SPEEDUP = 50.0  # a restore at least this many times faster than recomputing
+RESTORE_SOURCES = ("host", "disk warm", "disk cold", "remote")
+NEXT_QUESTION = "\n\nQuestion: which component evicts pages first, and when?"
 TARGET_SHARE_OF_RAW = 0.5  # the disk tier's bandwidth at least this share of the raw disk's
 GB = 1e9
 MIN_MAP_BYTES = 1 << 30  # LMDB maps grow sparsely: room is free until used
@@ -74,8 +84,9 @@ BLOCK_SIZE = EngineConfig().block_size  # every engine and device pool here uses
 @dataclass(frozen=True, slots=True)
 class TiersWorkload:
     restore_tokens: int = 2000  # the session restored
-    restore_repeats: int = 5
+    restore_repeats: int = 5  # next turns per tier, each on a fresh engine
     recompute_repeats: int = 3  # a prefill of restore_tokens takes seconds on CPU
+    daemon: bool = True  # the restart row through a daemon's socket (a daemon of its own: seconds to start)
     chunk_pages: int = 16  # pages per stored chunk (the tiers' default)
     bandwidth_chunks: int = 32  # chunks written to disk and read back, per codec
     codec_repeats: int = 3
@@ -100,26 +111,39 @@ class TiersWorkload:
 
 @dataclass(frozen=True, slots=True)
 class RestoreRow:
-    source: str  # "host", "disk warm" (page cache) or "disk cold" (pages dropped)
-    ms: float  # median find_prefix + adopt_prefix
-    speedup: float  # recompute / restore
-    target_ms: float
-    target_met: bool  # at most target_ms and at least TARGET_SPEEDUP times faster than recompute
-    restored_tokens: int  # the fewest over the repetitions
-    by_tier: dict[str, int]  # tokens loaded per tier, in the last repetition
-    kv_equal: bool  # every repetition restored exactly the computed KV
+    source: str  # "host", "disk warm" (page cache), "disk cold" (pages dropped) or "remote"
+    ttft_ms: float | None  # median TTFT of the next turn (None: skipped)
+    speedup: float | None  # recompute TTFT / this
+    loaded_tokens: int  # prompt tokens loaded from the tier, the fewest over the repetitions
+    computed_tokens: int  # prompt tokens computed, the most over the repetitions
+    same_first_token: bool  # every repetition's first token is the recomputed turn's
+    skipped: str = ""  # why the row did not run
+
+
+@dataclass(frozen=True, slots=True)
+class DaemonRestoreRow:
+    """The next turn of a stored session after a daemon restart, over the socket, beside a fresh tenant's."""
+
+    prompt_tokens: int
+    ttft_restored_ms: float  # client-side: request sent to the first streamed content chunk
+    ttft_recompute_ms: float
+    speedup: float
+    cached_by_tier: dict[str, int]  # the restored turn's prompt tokens by the tier they came from
+    same_reply: bool  # both turns' greedy replies are equal
 
 
 @dataclass(frozen=True, slots=True)
 class RestoreFigures:
-    prompt_tokens: int
-    expected_tokens: int  # its full pages but the one holding the last token (left to compute)
+    prompt_tokens: int  # the stored turn
+    next_turn_tokens: int  # the next turn's prompt: the stored turn and a question
+    stored_tokens: int  # its full pages but the one holding the last token
     kv_bytes: int
     chunks: int
     repeats: int
-    recompute_ms: float  # median prefill of the whole prompt (engine TTFT)
-    target_speedup: float
+    recompute_ms: float  # median TTFT of the next turn, computed from scratch
     rows: list[RestoreRow]
+    daemon: DaemonRestoreRow | None
+    daemon_skipped: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +196,8 @@ class WorkingSetRun:
     ttft_p50_ms: float
     ttft_p95_ms: float
     share_by_tier: dict[str, float]  # of the prompt tokens: device, host, disk, computed
+    wall_s: float  # the measured rounds: every turn to its end, and its background writes
+    write_wait_s: float  # of which waiting for the turns' background disk writes to land
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,17 +224,27 @@ class TiersFigures:
 
 @dataclass(frozen=True, slots=True)
 class ComputedPrompt:
-    """A prompt prefilled by the model, and the KV of its restorable pages."""
+    """A prompt prefilled by the model, the KV of its restorable pages, and its next turn."""
 
-    root: bytes  # the namespace its pages were hashed in
+    tenant: str  # whose namespace its pages were hashed in
+    root: bytes
     token_ids: list[int]
+    next_turn: list[int]  # token_ids and a question
     block_hashes: list[bytes]  # of its full pages but the one holding the last token
     kv: torch.Tensor  # [layers, 2, pages, block_size, kv_heads, head_dim], CPU
     geometry: KVGeometry
-    recompute_s: float  # median prefill
+    recompute: list[FirstToken]  # the next turn computed from scratch, each in a fresh namespace
+
+    @property
+    def recompute_s(self) -> float:
+        return statistics.median(r.ttft_s for r in self.recompute)
 
     def spans(self, chunk_pages: int) -> list[ChunkSpan]:
         return spans_of(self.root, self.block_hashes, self.token_ids, self.geometry.block_size, chunk_pages)
+
+    def copies(self, chunk_pages: int) -> list[ChunkCopy]:
+        """Each chunk, as held in the first pages of a device pool (see `_fill`)."""
+        return [ChunkCopy(s, tuple(range(s.first_page, s.first_page + s.num_pages))) for s in self.spans(chunk_pages)]
 
     def whole_chunks(self, chunk_pages: int) -> list[tuple[ChunkSpan, torch.Tensor]]:
         """Each whole chunk's span and KV (contiguous, in the tier's layout)."""
@@ -235,84 +271,121 @@ def run_tiers_bench(loaded: LoadedModel, w: TiersWorkload, directory: Path | Non
 
 
 def compute_prompt(loaded: LoadedModel, num_tokens: int, repeats: int) -> ComputedPrompt:
-    """Prefills a `num_tokens` prompt `repeats` times (timed), and copies out its KV."""
+    """Computes the next turn of a `num_tokens` prompt from scratch `repeats` times (timed), and copies out the
+    KV of the prompt's pages."""
     tok = loaded.tokenizer
     prompt = tok.encode(document(tok, num_tokens + 64, seed=3))[:num_tokens]
+    next_turn = prompt + tok.encode(NEXT_QUESTION)
     engine = LLMEngine(loaded)
     warm_up(engine)
     tenants = [f"recompute-{i}" for i in range(repeats)]  # each its own namespace: nothing cached by the one before
-    times = [run_request(engine, prompt, 1, tenant=t).ttft_s for t in tenants]
+    recompute = [run_request(engine, next_turn, 1, tenant=t) for t in tenants]
     root = namespace_root(loaded.fingerprint, tenants[-1], engine.config.hash_algorithm)
     hit = engine.kv.find_prefix(root, prompt)  # the last repetition's pages, still cached
     assert hit.num_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE, "the prefilled prompt's pages are gone"
-    return ComputedPrompt(root, prompt, list(hit.block_hashes), _gather(engine.pool, hit.block_ids), engine.geometry,
-                          statistics.median(times))
+    return ComputedPrompt(tenants[-1], root, prompt, next_turn, list(hit.block_hashes),
+                          _gather(engine.pool, hit.block_ids), engine.geometry, recompute)
 
 
-# -- restore -----------------------------------------------------------------------------------
+# -- the next turn, restored from each tier ------------------------------------------------------
 
 
 def run_restore(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, directory: Path) -> RestoreFigures:
-    num_pages = c.kv.shape[2]
-    pool = DeviceKVPool(c.geometry, num_pages, loaded.model.device)
+    """The next turn's TTFT with the prompt's KV in one tier only, each repetition on a fresh engine."""
     spans = c.spans(w.chunk_pages)
-    copies = [ChunkCopy(s, tuple(range(s.first_page, s.first_page + s.num_pages))) for s in spans]
     chunk_bytes = w.chunk_pages * c.geometry.bytes_per_block
+    device_bytes = 2 * (len(c.next_turn) // BLOCK_SIZE + 2) * c.geometry.bytes_per_block  # the turn, and room
     rows = []
 
     host = TierConfig(host_bytes=len(spans) * (chunk_bytes + SLOT_SLACK), disk_bytes=0, chunk_pages=w.chunk_pages)
-    tiers = TierManager(host, pool, loaded.fingerprint)
-    _fill(pool, c.kv)
-    tiers.demote(copies)  # as if evicted from the device: to the host (disk would take only reused chunks)
-    rows.append(_restore_row("host", [_restore(pool, tiers, c) for _ in range(w.restore_repeats)], c))
-    tiers.close()
+
+    def host_engine() -> LLMEngine:
+        engine = _engine(loaded, device_bytes, host)
+        _fill(engine.pool, c.kv)
+        engine.tiers.demote(c.copies(w.chunk_pages))  # as if evicted from the device: to the host
+        engine.tiers.wait()
+        _zero(engine.pool)  # a page the turn did not load cannot pass for one it did
+        return engine
+
+    rows.append(_restore_row("host", [_next_turn(host_engine(), c) for _ in range(w.restore_repeats)], c))
 
     directory.mkdir()
     disk = TierConfig(host_bytes=0, disk_bytes=max(MIN_MAP_BYTES, 4 * c.kv.nbytes), disk_path=directory,
                       chunk_pages=w.chunk_pages)
-    tiers = TierManager(disk, pool, loaded.fingerprint)
-    _fill(pool, c.kv)
-    tiers.write_turn(copies, session=True)  # as a session's finished turn: to disk only
-    tiers.wait()
-    rows.append(_restore_row("disk warm", [_restore(pool, tiers, c) for _ in range(w.restore_repeats)], c))
+    _seed(loaded, c, disk, w.chunk_pages)  # as a session's finished turn: to disk only
+    rows.append(_restore_row("disk warm", [_next_turn(_engine(loaded, device_bytes, disk), c)
+                                           for _ in range(w.restore_repeats)], c))
     cold = []
     for _ in range(w.restore_repeats):
-        tiers.close()
-        _drop_page_cache(directory / "data.mdb")
-        tiers = TierManager(disk, pool, loaded.fingerprint)  # the same epoch file: the same keys
-        cold.append(_restore(pool, tiers, c))
-    tiers.close()
+        _drop_page_cache(directory / "data.mdb")  # no engine has it open
+        cold.append(_next_turn(_engine(loaded, device_bytes, disk), c))  # the same epoch file: the same keys
     rows.append(_restore_row("disk cold", cold, c))
-    return RestoreFigures(len(c.token_ids), num_pages * c.geometry.block_size, c.kv.nbytes, len(spans),
-                          w.restore_repeats, c.recompute_s * 1e3, TARGET_SPEEDUP, rows)
+    rows.append(_remote_row(loaded, c, w, device_bytes))
+
+    daemon, why = None, ""
+    if not w.daemon:
+        why = "not asked for"
+    else:
+        from kvtierd.bench.daemon_restore import run_daemon_restore
+
+        daemon = run_daemon_restore(loaded.tokenizer, w.restore_tokens)
+    return RestoreFigures(len(c.token_ids), len(c.next_turn), len(c.block_hashes) * BLOCK_SIZE, c.kv.nbytes,
+                          len(spans), w.restore_repeats, c.recompute_s * 1e3, rows, daemon, why)
+
+
+def _remote_row(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, device_bytes: int) -> RestoreRow:
+    if shutil.which(REDIS_SERVER) is None:
+        return RestoreRow("remote", None, None, 0, 0, False, skipped="no redis-server on PATH")
+    with redis_on_loopback() as url:
+        remote = RemoteConfig(url=url, secret=secrets.token_bytes(32), fleet=f"bench-{secrets.token_hex(4)}")
+        config = TierConfig(host_bytes=0, disk_bytes=0, chunk_pages=w.chunk_pages, remote=remote)
+        _seed(loaded, c, config, w.chunk_pages)  # a session's turn another host of the fleet computed
+        return _restore_row("remote", [_next_turn(_engine(loaded, device_bytes, config), c)
+                                       for _ in range(w.restore_repeats)], c)
+
+
+def _engine(loaded: LoadedModel, device_bytes: int, tiers: TierConfig) -> LLMEngine:
+    engine = LLMEngine(loaded, EngineConfig(kv_cache_bytes=device_bytes, tiers=tiers))
+    warm_up(engine)  # in a namespace of its own: first-call costs stay out of the figure
+    engine.tiers.wait()
+    return engine
+
+
+def _seed(loaded: LoadedModel, c: ComputedPrompt, config: TierConfig, chunk_pages: int) -> None:
+    """Stores the prompt's chunks the way a session's finished turn is stored: written through to disk and
+    the fleet."""
+    pool = DeviceKVPool(c.geometry, c.kv.shape[2], loaded.model.device)
+    _fill(pool, c.kv)
+    tiers = TierManager(config, pool, loaded.fingerprint)
+    tiers.write_turn(c.copies(chunk_pages), session=True)
+    tiers.wait()
+    tiers.close()
 
 
 @dataclass(frozen=True, slots=True)
-class _Restored:
-    seconds: float
-    tokens: int
+class _Turn:
+    out: FirstToken
     by_tier: dict[str, int]
-    kv_equal: bool
 
 
-def _restore(pool: DeviceKVPool, tiers: TierManager, c: ComputedPrompt) -> _Restored:
-    """One restore into an empty device: the lookup and load a request's admission runs, timed."""
-    kv = KVCacheManager(pool.num_blocks, pool.geometry.block_size, tiers=tiers)  # nothing indexed on the device
-    _zero(pool)  # a page the restore did not load cannot pass for one it did
-    t0 = time.perf_counter()
-    hit = kv.adopt_prefix("restore", kv.find_prefix(c.root, c.token_ids))
-    seconds = time.perf_counter() - t0
-    equal = len(hit.block_ids) == c.kv.shape[2] and torch.equal(_gather(pool, hit.block_ids), c.kv)
-    return _Restored(seconds, hit.num_tokens, dict(hit.tokens_by_tier), equal)
+def _next_turn(engine: LLMEngine, c: ComputedPrompt) -> _Turn:
+    """The next turn on an engine whose device holds none of the prompt; closes the engine."""
+    try:
+        before = _served(engine) | {"remote": engine.counters.remote_tokens}
+        out = run_request(engine, c.next_turn, 1, tenant=c.tenant)
+        after = _served(engine) | {"remote": engine.counters.remote_tokens}
+        return _Turn(out, {t: after[t] - before[t] for t in after if after[t] > before[t]})
+    finally:
+        engine.close()
 
 
-def _restore_row(source: str, runs: list[_Restored], c: ComputedPrompt) -> RestoreRow:
-    seconds = statistics.median(r.seconds for r in runs)
-    speedup = c.recompute_s / seconds
-    target_ms = RESTORE_TARGET_MS[source.split()[0]]
-    return RestoreRow(source, seconds * 1e3, speedup, target_ms,
-                      seconds * 1e3 <= target_ms and speedup >= TARGET_SPEEDUP, min(r.tokens for r in runs),
-                      runs[-1].by_tier, all(r.kv_equal for r in runs))
+def _restore_row(source: str, turns: list[_Turn], c: ComputedPrompt) -> RestoreRow:
+    ttft = statistics.median(t.out.ttft_s for t in turns)
+    tier = source.split()[0]
+    first = c.recompute[0].token_ids[:1]
+    return RestoreRow(source, ttft * 1e3, c.recompute_s / ttft, min(t.by_tier.get(tier, 0) for t in turns),
+                      max(len(c.next_turn) - t.out.num_cached_tokens for t in turns),
+                      all(t.out.token_ids[:1] == first for t in turns))
 
 
 # -- disk bandwidth ------------------------------------------------------------------------------
@@ -455,18 +528,25 @@ def run_working_set(loaded: LoadedModel, w: TiersWorkload, directory: Path) -> W
     ttfts: dict[str, list[float]] = {name: [] for name in engines}
     tokens: dict[str, dict[str, int]] = {name: dict.fromkeys(("prompt", "device", "host", "disk"), 0)
                                          for name in engines}
+    wall = dict.fromkeys(engines, 0.0)
+    write_wait = dict.fromkeys(engines, 0.0)
     for r in range(w.rounds):
         for s, messages in enumerate(conversations):
             prompt = tok.encode_chat(messages)
             replies = []
             for name, engine in engines.items():
                 before = _served(engine)
+                t0 = time.perf_counter()
                 out = run_request(engine, prompt, w.reply_tokens, session_id=f"session-{s}")
+                t1 = time.perf_counter()
                 if engine.tiers is not None:
                     engine.tiers.wait()  # the turn's disk writes land before the next request, as between turns
+                t2 = time.perf_counter()
                 replies.append(out.text)
                 if r == 0:
                     continue  # the first round builds the histories and warms both engines up
+                wall[name] += t2 - t0
+                write_wait[name] += t2 - t1
                 ttfts[name].append(out.ttft_s)
                 tokens[name]["prompt"] += len(prompt)
                 for tier, n in _served(engine).items():
@@ -475,7 +555,8 @@ def run_working_set(loaded: LoadedModel, w: TiersWorkload, directory: Path) -> W
     tiered = engines["tiers"]
     host_slots = tiered.tiers.host.num_slots if tiered.tiers.host is not None else 0
     tiered.close()
-    runs = {name: _working_set_run(name, ttfts[name], tokens[name]) for name in engines}
+    runs = {name: _working_set_run(name, ttfts[name], tokens[name], wall[name], write_wait[name])
+            for name in engines}
     return WorkingSetFigures(w.sessions, w.rounds, working_set, tiered.kv.pool.num_blocks, host_slots, BLOCK_SIZE,
                              w.chunk_pages, list(runs.values()),
                              runs["device only"].ttft_p50_ms / runs["tiers"].ttft_p50_ms)
@@ -488,12 +569,14 @@ def _served(engine: LLMEngine) -> dict[str, int]:
             "disk": c.disk_tokens}
 
 
-def _working_set_run(name: str, ttfts: list[float], tokens: dict[str, int]) -> WorkingSetRun:
+def _working_set_run(name: str, ttfts: list[float], tokens: dict[str, int], wall_s: float,
+                     write_wait_s: float) -> WorkingSetRun:
     prompt = tokens["prompt"]
     cached = tokens["device"] + tokens["host"] + tokens["disk"]
     shares = {tier: tokens[tier] / prompt for tier in ("device", "host", "disk")}
     shares["computed"] = (prompt - cached) / prompt
-    return WorkingSetRun(name, len(ttfts), prompt, statistics.median(ttfts) * 1e3, _p95(ttfts) * 1e3, shares)
+    return WorkingSetRun(name, len(ttfts), prompt, statistics.median(ttfts) * 1e3, _p95(ttfts) * 1e3, shares,
+                         wall_s, write_wait_s)
 
 
 def _p95(values: list[float]) -> float:

@@ -31,8 +31,8 @@ class QosConfig:
     reserved_window_s: float = 0.0  # resize from the p99 of high's page use over this window (0: fixed)
     pin_share: float = 0.25  # of the device pages, pins may hold
     # Time-bounded steps (engine/scheduler.py): while a request of a class is present, lower classes' work in a
-    # step is cut so the step's planned cost stays within this many ms (None: auto, twice what a step of one
-    # decode costs; 0: off). Low's has no effect: no class is below it. Off for an engine built directly; the
+    # step is cut so the step's planned cost stays within this many ms (None: auto, the class's own work plus
+    # what a step of one decode costs; 0: off). Low's has no effect: no class is below it. Off for an engine built directly; the
     # daemon's `[qos] step_budget_ms` sets it.
     step_budget_ms: dict[str, float | None] = field(default_factory=lambda: {"high": 0.0, "normal": 0.0, "low": 0.0})
     # A class counts as present this long after its last request left: a request arriving mid-step waits for the

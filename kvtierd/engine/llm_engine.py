@@ -48,6 +48,7 @@ class EngineCounters:
     remote_tokens: int = 0  # ... and from the fleet's remote tier
     generated_tokens: int = 0
     preemptions: int = 0
+    aborted: int = 0  # requests cancelled before they finished (a client gone, the engine stopping)
     compactions: int = 0
     compacted_pages: int = 0  # live pages moved by compactions
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(QOS_CLASSES, 0))  # per class: waited too long
@@ -172,6 +173,7 @@ class LLMEngine:
         req = self.requests.pop(request_id, None)
         if req is not None:
             req.finish_reason = FinishReason.ABORT
+            self.counters.aborted += 1
             self._keep_session(req)  # what it computed is valid KV for the session's next turn
             self.scheduler.remove(req)
             self._take_snapshot()

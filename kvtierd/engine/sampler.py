@@ -19,6 +19,7 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         # Keep the smallest set whose mass reaches top_p: drop a token when the
         # mass before it already does. The best token always stays.
         drop = (torch.cumsum(probs, dim=-1) - probs) >= top_p
+        drop[0] = False  # a top_p below float32's least value compares as 0 and would drop every token
         logits = logits.clone()
         logits[order[drop]] = float("-inf")
     return logits

@@ -36,8 +36,8 @@ present (waiting, running, or gone less than `step_budget_hold_s` ago) is
 the step's top class; its work (running requests, then waiting ones while
 the queue's head is of it) is planned first, under the token budget only.
 Lower classes' work comes after, each request cut to what keeps the step's
-planned cost within the top class's `step_budget_ms` (auto: twice a step of
-one decode; `engine/step_cost.py`
+planned cost within the top class's `step_budget_ms` (auto: its own work
+plus one step of one decode; `engine/step_cost.py`
 predicts a step's seconds from its prefill tokens and decodes, as measured):
 their prefill is chunked finer, and their decodes skip a step when even one
 does not fit. When nothing of a lower class is present, nothing is cut: with
@@ -58,10 +58,6 @@ from kvtierd.engine.request import Request
 from kvtierd.engine.step_cost import StepCostModel, StepShape
 
 RANK = {c: i for i, c in enumerate(QOS_CLASSES)}  # 0: high
-# An auto step budget: this many times what a step of one decode costs (the inter-token latency of a lone
-# request), so lower classes at most double it. It does not grow with the top class's own work: a busy top class
-# leaves less to the others, never more, or its latency would feed on itself.
-AUTO_BUDGET_FACTOR = 2.0
 LOADING = -1  # what `_admit` returns for a request that started loading its prefix instead
 
 
@@ -154,12 +150,12 @@ class Scheduler:
         if first is not None and not self._is_lower(first, room):
             self._admit(first, plan, room)
         inflight = self._inflight_hashes() if self.enable_prefix_caching and self.waiting else set()
-        no_room: set[str] = set()  # classes that found no pages this step
+        no_room: set[str] = set()  # classes that found no pages (or no time) this step
         deferred: set[TenantKey] = set()  # tenants whose next request waits for a prefix being computed
         # The top class's work first, under the token budget only; then the lower classes', within the time limit.
         for lower in (False, True):
             if lower:
-                room.limit_s = self._limit_s(room.top)
+                room.limit_s = self._limit_s(room.top, plan.shape)
             self._serve_running(plan, room, lower)
             self._admit_waiting(plan, room, lower, inflight, no_room, deferred)
         return plan
@@ -200,8 +196,9 @@ class Scheduler:
             n = self._admit(req, plan, room)
             if n == LOADING:
                 continue
-            if n == 0:
-                return  # the step's time is spent
+            if n == 0:  # the step's time is spent for its class; a top-class request behind it (aged past) goes
+                no_room.add(req.qos_class)
+                continue
             if n is None:
                 if req.high:
                     room.admitting = False  # the reserve is open to high: nobody else would fit either
@@ -254,12 +251,18 @@ class Scheduler:
         present = [c for c, t in self._last_present.items() if now - t <= self.step_budget_hold_s]
         return min(present, key=RANK.__getitem__, default=QOS_CLASSES[-1])
 
-    def _limit_s(self, top: str) -> float | None:
-        """The step's limit for lower classes' work; None when off."""
+    def _limit_s(self, top: str, own: StepShape) -> float | None:
+        """The step's limit for lower classes' work, the top class's being planned (`own`); None when off.
+
+        Auto: lower classes add at most what a step of one decode costs (a lone request's inter-token latency)
+        to the top class's own work, or to one such step when it has none. An added cost, not a multiple: a
+        busy top class does not hand the others more (its latency would feed on itself), nor starve them."""
         budget_ms = self.step_budget_ms[top]
         if budget_ms is not None:
             return budget_ms / 1e3 or None
-        return AUTO_BUDGET_FACTOR * self.step_cost.current.seconds(StepShape(num_decodes=1))
+        cost = self.step_cost.current
+        one_decode = cost.seconds(StepShape(num_decodes=1))
+        return max(cost.seconds(own), one_decode) + one_decode
 
     def _pop_victim(self, planned: set[str]) -> Request:
         """The last running request not in the plan yet."""
@@ -269,8 +272,11 @@ class Scheduler:
     def _make_room_for_waiting(self, plan: StepPlan, budget: int) -> Request | None:
         """Preempts lower-class running requests, lowest first, until the request next in line fits
         (its first chunk's pages, counted without cache hits; a seat if max_num_seqs are running).
-        Returns it when it preempted for it: it is admitted first."""
-        req = self.waiting.peek()
+        Returns it when it preempted for it: it is admitted first. The request is the highest waiting class's
+        next one, even when a lower one aged past it: aging orders admission, it does not take pages from
+        the classes it outranks."""
+        top = min((r.qos_class for r in self.waiting), key=RANK.__getitem__, default=None)
+        req = self.waiting.peek([c for c in QOS_CLASSES if top is not None and RANK[c] > RANK[top]])
         if req is None or not self.running or RANK[self.running[-1].qos_class] <= RANK[req.qos_class]:
             return None
         need = -(-min(req.num_pending_tokens, budget) // self.kv.block_size) + 1

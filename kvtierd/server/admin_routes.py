@@ -139,7 +139,7 @@ async def stats(request: web.Request) -> web.Response:
     c = state.engine.engine.counters
     return web.json_response({
         "requests": c.requests, "prompt_tokens": c.prompt_tokens, "cached_tokens": c.cached_tokens,
-        "generated_tokens": c.generated_tokens, "preemptions": c.preemptions,
+        "generated_tokens": c.generated_tokens, "preemptions": c.preemptions, "aborted": c.aborted,
         "errors_4xx": state.counters.errors_4xx, "errors_5xx": state.counters.errors_5xx,
         "active_streams": state.counters.active_streams,
     })

@@ -59,6 +59,8 @@ def _families(eng: LLMEngine, server: ServerCounters, uptime_s: float) -> Iterat
     yield CounterMetricFamily("kvtierd_generated_tokens", "Tokens generated.", c.generated_tokens)
     yield CounterMetricFamily("kvtierd_preemptions", "Requests preempted for lack of pages (recomputed later).",
                               c.preemptions)
+    yield CounterMetricFamily("kvtierd_aborted_requests", "Requests cancelled before they finished (the client "
+                              "hung up, or the engine stopped).", c.aborted)
 
     idle_cached = len(pool.idle_cached_blocks())
     pages = GaugeMetricFamily("kvtierd_pages", "KV pages by state: used (held by requests), cached (idle but "

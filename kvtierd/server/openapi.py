@@ -38,9 +38,10 @@ _MESSAGE = {"type": "object", "required": ["role", "content"], "properties": {
     "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}}}
 
 
-def _body(properties: dict, required: list[str]) -> dict:
+def _body(properties: dict, required: list[str], optional: bool = False) -> dict:
+    """A JSON object body; `optional`: the request may come without one (all its fields have defaults)."""
     schema = {"type": "object", "additionalProperties": False, "properties": properties, "required": required}
-    return {"required": True, "content": {"application/json": {"schema": schema}}}
+    return {"required": not optional, "content": {"application/json": {"schema": schema}}}
 
 
 def _op(summary: str, body: dict | None = None, errors: tuple[int, ...] = (400,)) -> dict:
@@ -79,7 +80,7 @@ DOCUMENT = {
                 {"id": {**_CHOSEN_ID, "description": "the client's own id for it (default: a new random one); 409 "
                         "when this tenant has it already"},
                  "system_prompt": {"type": "string"}, "title": {"type": "string"},
-                 "priority": {"type": "string", "enum": ["high", "normal", "low"]}}, []), (400, 409)),
+                 "priority": {"type": "string", "enum": ["high", "normal", "low"]}}, [], optional=True), (400, 409)),
             "get": {**_op("This tenant's sessions"), "parameters": _LIMIT},
         },
         "/v1/sessions/{session_id}": {

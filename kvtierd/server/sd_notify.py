@@ -14,19 +14,21 @@ import socket
 log = logging.getLogger(__name__)
 
 
-def notify(*assignments: str) -> None:
-    """Sends `KEY=value` lines (`READY=1`, `STATUS=...`) to systemd in one datagram."""
+def notify(*assignments: str) -> bool:
+    """Sends `KEY=value` lines (`READY=1`, `STATUS=...`) to systemd in one datagram; whether it was sent."""
     address = os.environ.get("NOTIFY_SOCKET")
     if not address:
-        return
+        return False
     if address.startswith("@"):
         address = "\0" + address[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM | socket.SOCK_CLOEXEC) as sock:
             sock.settimeout(1.0)  # a full queue blocks the sender: never the event loop for long
             sock.sendto("\n".join(assignments).encode(), address)
+        return True
     except OSError as e:  # systemd going away must not take the daemon with it
         log.warning("sd_notify to %s failed: %s", address.replace("\0", "@"), e)
+        return False
 
 
 def watchdog_period() -> float | None:

@@ -271,8 +271,8 @@ SETTINGS: tuple[Setting, ...] = (
             "with Retry-After (0: off; set it below high's max_queue_s)"),
     Setting("step_budget_ms", "qos", "step_budget_ms", "high=auto,normal=auto", parse_step_budgets,
             "while a request of a class is present, lower classes' work in a step is cut so the step's planned cost "
-            "(from measured step times) stays within this many ms: a number, auto (twice the class's own work) or "
-            "off; a class not named is off"),
+            "(from measured step times) stays within this many ms: a number, auto (the class's own work plus a "
+            "one-decode step) or off; a class not named is off"),
     Setting("step_budget_hold_s", "qos", "step_budget_hold_s", 5.0, float_at_least(0.0),
             "a class counts as present for step_budget_ms this long after its last request left (a request arriving "
             "mid-step waits for the step in flight)"),

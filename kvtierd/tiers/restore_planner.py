@@ -6,7 +6,10 @@
 Both rates are measured on this host as it serves and kept current by an
 exponential moving average: the tier manager reports every load (bytes,
 seconds, from the store's read to the last device write), the engine every step
-that computed prompt tokens (tokens, seconds). A chunk is worth loading only
+that computed prompt tokens (tokens, seconds). The first report of a kind sets
+its rate however short it was (a fast host's load of a small chunk takes a few
+microseconds); later reports shorter than MIN_MEASURED_S are pooled until their
+sum is not, so clock noise never moves the average alone. A chunk is worth loading only
 once the chunks before it are (a chain is a prefix), so the plan loads the
 leading run of chunks whose cumulative saving is largest and recomputes the
 rest. Until a rate is measured, loading is assumed to win: on a CPU it almost
@@ -20,8 +23,9 @@ from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+PREFILL = "prefill"  # the prefill speed's key among the tiers' bandwidths
 EWMA_WEIGHT = 0.2  # of each new measurement: a few loads or steps move the estimate
-MIN_MEASURED_S = 1e-4  # shorter timings are clock noise, not a rate
+MIN_MEASURED_S = 1e-4  # after the first, shorter timings are pooled: alone they are mostly clock noise
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,24 +62,30 @@ NOTHING_BELOW = RestorePlan(0, 0, None, None)
 class RestorePlanner:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # loads are reported from the engine thread, rates read by /metrics
-        self._bandwidth: dict[str, float] = {}  # tier -> bytes/s
-        self._prefill_tokens_s: float | None = None
+        self._rates: dict[str, float] = {}  # "prefill" -> tokens/s; a tier -> bytes/s
+        self._pooled: dict[str, tuple[int, float]] = {}  # short reports not yet folded in: (amount, seconds)
         self.decisions: Counter[str] = Counter()  # decision -> requests
 
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
-        if seconds >= MIN_MEASURED_S and nbytes > 0:
-            with self._lock:
-                self._bandwidth[tier] = _ewma(self._bandwidth.get(tier), nbytes / seconds)
+        self._observe(tier, nbytes, seconds)
 
     def observe_prefill(self, tokens: int, seconds: float) -> None:
-        if seconds >= MIN_MEASURED_S and tokens > 0:
-            with self._lock:
-                self._prefill_tokens_s = _ewma(self._prefill_tokens_s, tokens / seconds)
+        self._observe(PREFILL, tokens, seconds)
+
+    def _observe(self, kind: str, amount: int, seconds: float) -> None:
+        if amount <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            pooled_amount, pooled_s = self._pooled.pop(kind, (0, 0.0))
+            amount, seconds = amount + pooled_amount, seconds + pooled_s
+            if kind in self._rates and seconds < MIN_MEASURED_S:
+                self._pooled[kind] = (amount, seconds)
+            else:
+                self._rates[kind] = _ewma(self._rates.get(kind), amount / seconds)
 
     def plan(self, chunks: Sequence[ChunkCost]) -> RestorePlan:
         """The cheapest way to serve `chunks` (in chain order), counted in `decisions`."""
-        with self._lock:
-            bandwidth, prefill = dict(self._bandwidth), self._prefill_tokens_s
+        bandwidth, prefill = self.rates()
         loads = [c.nbytes / bandwidth[c.tier] if c.tier in bandwidth else None for c in chunks]
         recomputes = [c.tokens / prefill if prefill else None for c in chunks]
         best, best_saving, saving = len(chunks), 0.0, 0.0
@@ -93,7 +103,8 @@ class RestorePlanner:
     def rates(self) -> tuple[dict[str, float], float | None]:
         """(bytes/s per tier, prefill tokens/s) as measured so far."""
         with self._lock:
-            return dict(self._bandwidth), self._prefill_tokens_s
+            rates = dict(self._rates)
+        return rates, rates.pop(PREFILL, None)
 
 
 def _ewma(old: float | None, new: float) -> float:
