@@ -88,3 +88,32 @@ def test_a_bfloat16_kv_chunk_is_never_served_to_a_float32_engine(loaded, tmp_pat
     assert _cached_on_disk(bf16_kv, tmp_path, prompt) == 0  # a session: its chunks are written through to disk
     assert _cached_on_disk(loaded, tmp_path, prompt) == 0  # float32: none of them is found
     assert _cached_on_disk(bf16_kv, tmp_path, prompt) >= 64  # the same KV dtype finds them
+
+
+def test_the_daemon_serves_the_mode_it_was_given_and_reports_it():
+    """`--dtype int4`: /v1/models and kvtierctl status name the weights and the KV dtype (bfloat16, the
+    mode's compute dtype), and a chat is answered; the model cache keeps the int4 conversion apart."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from daemon_fixtures import start_daemon
+    from test_kvtierctl_daemon import ctl
+
+    with tempfile.TemporaryDirectory(prefix="kvtierd-") as root:
+        daemon = start_daemon(Path(root), "--dtype", "int4")
+        try:
+            reply = daemon.openai().chat.completions.create(
+                model="default", messages=[{"role": "user", "content": "Say hello."}], max_tokens=4, temperature=0)
+            assert reply.choices[0].message.content
+            with daemon.client() as c:
+                card = c.get("/v1/models").json()["data"][0]
+                status = c.get("/admin/status").json()["model"]
+            assert (card["dtype"], card["kv_dtype"]) == ("int4", "bfloat16")
+            assert (status["dtype"], status["kv_dtype"]) == ("int4", "bfloat16")
+            shown = ctl(daemon, "status")
+            assert shown.returncode == 0 and "int4 / bfloat16" in shown.stdout, shown.stdout
+            cache = Path(os.environ["KVTIERD_MODEL_CACHE_DIR"])  # the test session's (conftest.py)
+            assert any(p.name.endswith("-int4") for p in cache.iterdir())
+        finally:
+            assert daemon.stop() == 0, daemon.log_text()

@@ -31,6 +31,15 @@ CORPUS = (
     "print([fibonacci(i) for i in range(10)])",
     "Photosynthesis turns light, water and carbon dioxide into sugar and oxygen. It takes place in the "
     "chloroplasts of plant cells, where chlorophyll absorbs mostly red and blue light.",
+    "To make a simple bread, mix flour, water, salt and yeast, knead the dough for ten minutes, and let it "
+    "rise in a warm place until it has doubled in size. Shape it, let it rise again, and bake it until the "
+    "crust is brown and the loaf sounds hollow when you tap it.",
+    "The meeting is moved to Thursday at three o'clock. Please bring the quarterly figures and the draft "
+    "of the new budget, and send your questions to the team before Wednesday evening.",
+    "In 1969 two astronauts walked on the Moon while a third orbited above them. They collected rocks, "
+    "planted a flag, and returned to Earth four days later, landing in the Pacific Ocean.",
+    "User: How do I reverse a list in Python?\nAssistant: Use slicing, my_list[::-1], which returns a new "
+    "list, or call my_list.reverse(), which reverses the list in place and returns None.",
 )
 CHATS = (
     "What is a KV cache in one sentence?",

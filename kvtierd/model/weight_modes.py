@@ -36,8 +36,12 @@ WEIGHT_MODES: dict[str, WeightMode] = {m.name: m for m in (
     WeightMode("int4", torch.bfloat16, "int4"),
 )}
 KV_DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The CPU default: the fastest mode that passes the quality gate (tests/test_quality.py, bench quality).
-CPU_DEFAULT_MODE = "int8"
+# The CPU default: the fastest mode that passes the quality gate (top-1 agreement with float32 >= 98%,
+# mean KL <= 0.02 nats; tests/test_quality.py, `kvtierd bench quality`). None of the faster ones does on
+# the corpus: int4 (the fastest) measures KL 0.003 but top-1 97.1%, and even bfloat16 97.9%; the misses
+# are near-ties moved by bfloat16's rounding of the activations. So float32 it stays, until the gate is
+# settled (the closing note of issue 17 has the figures).
+CPU_DEFAULT_MODE = "float32"
 
 
 def default_weight_mode(device: torch.device) -> WeightMode:
