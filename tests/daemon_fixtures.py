@@ -54,7 +54,8 @@ def start_daemon(root: Path, *args: str, env: dict[str, str] | None = None, wait
     root.mkdir(parents=True, exist_ok=True)
     sock, state, log = root / "kvtierd.sock", root / "state", root / "daemon.log"
     cmd = [sys.executable, "-m", "kvtierd.cli.main", "serve", "--socket", str(sock), "--state-dir", str(state), *args]
-    full_env = {**os.environ, "KVTIERD_KV_CACHE_BYTES": "256MiB", **(env or {})}
+    # float32 weights: the daemon tests assert exact equality (across restarts, tiers, chunked prefill).
+    full_env = {**os.environ, "KVTIERD_KV_CACHE_BYTES": "256MiB", "KVTIERD_DTYPE": "float32", **(env or {})}
     process = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=full_env)
     daemon = Daemon(process, sock, state, log)
     if wait:

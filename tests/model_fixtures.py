@@ -19,7 +19,8 @@ from kvtierd.model.loader import LoadedModel, load_model  # noqa: E402
 
 @pytest.fixture(scope="session")
 def loaded() -> LoadedModel:
-    return load_model()
+    # float32: the exact mode, which the logits-equality tests compare with transformers.
+    return load_model(dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -24,6 +24,6 @@ def spawn_daemon(root: Path, wrapper: Sequence[str], *args: str, socket: Path | 
     `socket` is where clients connect, when that is not the --socket path (socket activation)."""
     sock, state, log = root / "kvtierd.sock", root / "state", root / "daemon.log"
     cmd = [*wrapper, *SERVE, "--socket", str(sock), "--state-dir", str(state), *args]
-    env = {**os.environ, "KVTIERD_KV_CACHE_BYTES": "256MiB"}
+    env = {**os.environ, "KVTIERD_KV_CACHE_BYTES": "256MiB", "KVTIERD_DTYPE": "float32"}  # as start_daemon
     process = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env, pass_fds=pass_fds)
     return Daemon(process, socket or sock, state, log)

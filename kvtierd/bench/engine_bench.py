@@ -1,9 +1,12 @@
-"""`kvtierd bench engine`: decode and prefill speed beside transformers, in one run.
+"""`kvtierd bench engine`: decode and prefill speed of each weight mode beside transformers and
+llama.cpp (when `llama_cpp` is importable) on the same GGUF, in one run, on the same thread count.
 
 Decode speed is measured on decode steps only (prefill excluded) with EOS
-ignored, so both sides produce the same number of tokens. Batch-1 decode
+ignored, so every side produces the same number of tokens. Batch-1 decode
 streams every weight once per token; its weight bytes/s is reported beside the
 machine's memory read bandwidth, measured here with a large tensor reduction.
+Prefill runs in alternating rounds (every side once per round), so drift in the
+machine's speed hits all alike; ratios are medians of per-round ratios.
 """
 
 from __future__ import annotations
@@ -20,9 +23,29 @@ from kvtierd.bench.report import median_time
 from kvtierd.engine.config import EngineConfig
 from kvtierd.engine.llm_engine import LLMEngine
 from kvtierd.engine.sampling_params import SamplingParams
-from kvtierd.model.loader import LoadedModel
+from kvtierd.model.loader import LoadedModel, convert_loaded
 
 DECODE_TOKENS = 32
+WARM_PREFIX_TOKENS = 1500  # a chat's history, cached
+WARM_NEW_TOKENS = 35  # the new user message of the next turn
+WARM_TURNS = 5
+
+
+def cpu_description() -> str:
+    """The CPU's model name and the ISA flags that decide which kernels run."""
+    name, flags = "unknown CPU", set()
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            key, _, value = line.partition(":")
+            if key.strip() == "model name":
+                name = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+                break
+    except OSError:
+        pass
+    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags]
+    return f"{name} [{' '.join(isa) or 'no AVX-512/AMX'}]"
 
 
 def memory_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
@@ -119,48 +142,130 @@ class TransformersBaseline:
         return self.generate_s([prompt], 1)
 
 
-def run_engine_bench(loaded: LoadedModel, batches: list[int], prefill_lengths: list[int]) -> dict:
+class LlamaCppBaseline:
+    """llama.cpp (llama-cpp-python) on the same GGUF file, on `threads` threads. Only a benchmark's
+    yardstick: the project never depends on it; None from `load` when it is not installed."""
+
+    def __init__(self, llama) -> None:
+        self.llama = llama
+
+    @classmethod
+    def load(cls, loaded: LoadedModel, threads: int, n_ctx: int) -> "LlamaCppBaseline | None":
+        try:
+            from llama_cpp import Llama
+        except ImportError:
+            return None
+        return cls(Llama(model_path=str(loaded.source), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, verbose=False))
+
+    def decode_tokens_per_s(self, prompt: list[int], new_tokens: int) -> float:
+        """Batch 1: the prompt evaluated, then one token at a time (the same token ids as a greedy run
+        would feed cost the same: llama.cpp's decode does not look at them)."""
+        self.llama.reset()
+        self.llama.eval(prompt)
+        t0 = time.perf_counter()
+        for i in range(new_tokens):
+            self.llama.eval([prompt[i % len(prompt)]])
+        return new_tokens / (time.perf_counter() - t0)
+
+    def prefill_s(self, prompt: list[int]) -> float:
+        self.llama.reset()
+        t0 = time.perf_counter()
+        self.llama.eval(prompt)
+        return time.perf_counter() - t0
+
+
+def warm_turn_ttft_s(engine: LLMEngine, loaded: LoadedModel, turns: int = WARM_TURNS) -> float:
+    """Median time to the first token of a chat turn of WARM_NEW_TOKENS new tokens over a cached
+    WARM_PREFIX_TOKENS-token history (the history computed once before, in the same session)."""
+    history = _prompts(loaded, 1, WARM_PREFIX_TOKENS)[0]
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    engine.add_request(history, params, tenant="warm")
+    while engine.has_unfinished():
+        engine.step()
+    times = []
+    for turn in range(turns):
+        question = f" Turn {turn}: why do programs reuse the data they touched a moment ago? " * 4
+        new = loaded.tokenizer.encode(question)[:WARM_NEW_TOKENS]
+        cached = engine.counters.cached_tokens
+        t0 = time.perf_counter()
+        engine.add_request(history + new, params, tenant="warm")
+        while engine.has_unfinished():
+            engine.step()
+        times.append(time.perf_counter() - t0)
+        assert engine.counters.cached_tokens - cached >= WARM_PREFIX_TOKENS - engine.config.block_size, "history missed"
+    return statistics.median(times)
+
+
+def run_engine_bench(loaded: LoadedModel, batches: list[int], prefill_lengths: list[int], modes: list[str],
+                     threads: int) -> dict:
+    """`loaded` is the float32 model; each other mode is converted from it."""
+    torch.set_num_threads(threads)
+    models = {m: loaded if m == "float32" else convert_loaded(loaded, m) for m in dict.fromkeys(["float32", *modes])}
     hf = TransformersBaseline(loaded)
+    llama = LlamaCppBaseline.load(loaded, threads, n_ctx=max([*prefill_lengths, 64 + DECODE_TOKENS]) + 16)
     bandwidth = memory_read_bandwidth()
-    weight_bytes = loaded.model.weights.num_bytes_per_token()
     decode_rows = []
     for b in batches:
-        engine = LLMEngine(loaded, EngineConfig(max_num_seqs=max(64, b)))
         prompts = _prompts(loaded, b, 64)
-        engine_decode(engine, prompts[:1], 4)  # warm-up
-        ours = engine_decode(engine, prompts, DECODE_TOKENS)
+        ours = {}
+        for mode, lm in models.items():
+            engine = LLMEngine(lm, EngineConfig(max_num_seqs=max(64, b)))
+            engine_decode(engine, prompts[:1], 4)  # warm-up
+            ours[mode] = engine_decode(engine, prompts, DECODE_TOKENS)
+            engine.close()
         theirs = hf.decode_tokens_per_s(prompts, DECODE_TOKENS)
-        row = {
-            "batch": b,
-            "kvtierd_tok_s": ours.tokens_per_s,
-            "transformers_tok_s": theirs,
-            "speedup": ours.tokens_per_s / theirs,
-            "step_overhead_ms": ours.step_overhead_ms,
-        }
-        if b == 1:
-            row["weight_GB_s"] = weight_bytes * ours.tokens_per_s / 1e9
-            row["share_of_mem_bw"] = weight_bytes * ours.tokens_per_s / bandwidth
-        decode_rows.append(row)
+        llama_tok_s = llama.decode_tokens_per_s(prompts[0], DECODE_TOKENS) if llama is not None and b == 1 else None
+        for mode, result in ours.items():
+            row = {
+                "mode": mode,
+                "batch": b,
+                "kvtierd_tok_s": result.tokens_per_s,
+                "vs_float32": result.tokens_per_s / ours["float32"].tokens_per_s,
+                "transformers_tok_s": theirs,
+                "vs_transformers": result.tokens_per_s / theirs,
+                "llama_cpp_tok_s": llama_tok_s,
+                "vs_llama_cpp": None if llama_tok_s is None else result.tokens_per_s / llama_tok_s,
+                "step_overhead_ms": result.step_overhead_ms,
+            }
+            if b == 1:
+                weight_bytes = models[mode].model.weights.num_bytes_per_token()
+                row["weight_GB_s"] = weight_bytes * result.tokens_per_s / 1e9
+                row["share_of_mem_bw"] = weight_bytes * result.tokens_per_s / bandwidth
+            decode_rows.append(row)
 
-    engine = LLMEngine(loaded)
+    engines = {mode: LLMEngine(lm) for mode, lm in models.items()}
     prefill_rows = []
     for n in prefill_lengths:
         prompt = _prompts(loaded, 1, n)[0]
-        engine_prefill_s(engine, prompt[:16])  # warm-up
-        hf.prefill_s(prompt[:16])
-        # Alternating pairs, so drift in the machine's speed hits both sides alike.
-        pairs = [(engine_prefill_s(engine, prompt), hf.prefill_s(prompt)) for _ in range(PREFILL_PAIRS)]
-        ours = n / statistics.median(o for o, _ in pairs)
-        theirs = n / statistics.median(t for _, t in pairs)
-        ratio = statistics.median(t / o for o, t in pairs)
-        prefill_rows.append({"tokens": n, "kvtierd_tok_s": ours, "transformers_tok_s": theirs, "speedup": ratio})
+        sides = {mode: (lambda p, e=e: engine_prefill_s(e, p)) for mode, e in engines.items()}
+        sides["transformers"] = hf.prefill_s
+        if llama is not None:
+            sides["llama.cpp"] = llama.prefill_s
+        for run in sides.values():
+            run(prompt[:16])  # warm-up
+        rounds = [{side: run(prompt) for side, run in sides.items()} for _ in range(PREFILL_PAIRS)]
+        for side in sides:
+            prefill_rows.append({
+                "side": side,
+                "tokens": n,
+                "tok_s": n / statistics.median(r[side] for r in rounds),
+                "vs_float32": statistics.median(r["float32"] / r[side] for r in rounds),
+            })
+    warm = [{"mode": mode, "ttft_ms": warm_turn_ttft_s(e, models[mode]) * 1e3} for mode, e in engines.items()]
+    for e in engines.values():
+        e.close()
 
-    overhead = engine_overhead_at(loaded, 64)
+    overhead = engine_overhead_at(models[modes[-1]], 64)
     return {
+        "cpu": cpu_description(),
+        "threads": threads,
+        "llama_cpp": llama is not None,
         "memory_read_GB_s": bandwidth / 1e9,
-        "weight_bytes_per_token": weight_bytes,
+        "weight_bytes_per_token": {mode: lm.model.weights.num_bytes_per_token() for mode, lm in models.items()},
         "decode": decode_rows,
         "prefill": prefill_rows,
+        "warm_turn": warm,
         "step_overhead_ms_at_64": overhead,
     }
 

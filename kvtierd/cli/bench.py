@@ -24,36 +24,75 @@ def _ints(text: str) -> list[int]:
 def bench_engine(
     batches: Annotated[str, typer.Option(help="Decode batch sizes.")] = "1,8,32",
     prefill: Annotated[str, typer.Option(help="Prefill prompt lengths.")] = "512,2048",
+    modes: Annotated[str, typer.Option(help="Weight modes beside float32 (float32 is always measured).")] = "auto",
+    threads: Annotated[int, typer.Option(help="Threads for every side (0: torch's default, as the daemon).")] = 0,
     model: Annotated[Optional[str], typer.Option()] = None,
     json_path: JsonOpt = None,
 ) -> None:
-    """Decode and prefill tokens/s beside transformers' generate, memory bandwidth, step overhead."""
+    """Decode and prefill tokens/s of each weight mode beside transformers and llama.cpp, warm-turn TTFT."""
+    import torch
+
     from kvtierd.bench.engine_bench import run_engine_bench
     from kvtierd.model.loader import load_model
+    from kvtierd.model.weight_modes import default_weight_mode
 
-    figures = run_engine_bench(load_model(model), _ints(batches), _ints(prefill))
+    threads = threads or torch.get_num_threads()
+    mode_list = [default_weight_mode(torch.device("cpu")).name if m == "auto" else m for m in modes.split(",") if m]
+    f = run_engine_bench(load_model(model, dtype="float32"), _ints(batches), _ints(prefill), mode_list, threads)
     m = machine()
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']} ({m['torch_threads']} threads), {m['date']}")
-    typer.echo(
-        f"memory read bandwidth: {figures['memory_read_GB_s']:.2f} GB/s; "
-        f"weights read per batch-1 token: {figures['weight_bytes_per_token'] / 1e6:.1f} MB"
+    typer.echo(f"machine: {f['cpu']}, {m['cores']} cores, torch {m['torch']}, {f['threads']} threads on every side "
+               f"(the daemon's default), {m['date']}")
+    typer.echo(f"llama.cpp: {'llama-cpp-python, same GGUF' if f['llama_cpp'] else 'not installed (no column)'}; "
+               f"memory read bandwidth: {f['memory_read_GB_s']:.2f} GB/s; weights read per batch-1 token: "
+               + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in f["weight_bytes_per_token"].items()))
+
+    def opt(v):
+        return "-" if v is None else v
+
+    print_table(
+        "decode (greedy, EOS ignored)",
+        ["mode", "batch", "tok/s", "x float32", "transformers tok/s", "x transformers", "llama.cpp tok/s",
+         "x llama.cpp", "step overhead ms", "weight GB/s", "share of mem bw"],
+        [[r["mode"], r["batch"], r["kvtierd_tok_s"], r["vs_float32"], r["transformers_tok_s"], r["vs_transformers"],
+          opt(r["llama_cpp_tok_s"]), opt(r["vs_llama_cpp"]), r["step_overhead_ms"], r.get("weight_GB_s", "-"),
+          r.get("share_of_mem_bw", "-")] for r in f["decode"]],
     )
     print_table(
-        "decode (float32, greedy, EOS ignored)",
-        ["batch", "kvtierd tok/s", "transformers tok/s", "ratio", "step overhead ms", "weight GB/s", "share of mem bw"],
-        [
-            [r["batch"], r["kvtierd_tok_s"], r["transformers_tok_s"], r["speedup"], r["step_overhead_ms"],
-             r.get("weight_GB_s", "-"), r.get("share_of_mem_bw", "-")]
-            for r in figures["decode"]
-        ],
+        "prefill (one request, alternating rounds)",
+        ["side", "tokens", "tok/s", "x float32 (median of rounds)"],
+        [[r["side"], r["tokens"], r["tok_s"], r["vs_float32"]] for r in f["prefill"]],
     )
+    print_table("warm chat turn: 35 new tokens over a cached 1,500-token history", ["mode", "TTFT ms (median)"],
+                [[r["mode"], r["ttft_ms"]] for r in f["warm_turn"]])
+    typer.echo(f"engine overhead per step at 64 running sequences: {f['step_overhead_ms_at_64']:.2f} ms (median)")
+    write_json(json_path, f)
+
+
+@bench_app.command("quality")
+def bench_quality(
+    modes: Annotated[str, typer.Option(help="Weight modes to compare with float32.")] = "bfloat16,int8,int4",
+    model: Annotated[Optional[str], typer.Option()] = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """Each weight mode against float32: teacher-forced top-1 agreement and KL, greedy chat replies."""
+    from dataclasses import asdict
+
+    from kvtierd.bench.quality_bench import CHATS, REPLY_TOKENS, greedy_replies, measure_quality
+    from kvtierd.model.loader import convert_loaded, load_model
+
+    reference = load_model(model, dtype="float32")
+    replies = greedy_replies(reference)
+    rows = [measure_quality(reference, convert_loaded(reference, mode), replies) for mode in modes.split(",") if mode]
+    m = machine()
+    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, torch {m['torch']}, {m['date']}; gate for the default "
+               f"mode: top-1 >= 98%, mean KL <= 0.02 nats")
     print_table(
-        "prefill (one request)",
-        ["tokens", "kvtierd tok/s", "transformers tok/s", "ratio"],
-        [[r["tokens"], r["kvtierd_tok_s"], r["transformers_tok_s"], r["speedup"]] for r in figures["prefill"]],
+        f"weight modes against float32 ({len(CHATS)} greedy chats of {REPLY_TOKENS} tokens)",
+        ["mode", "top-1 agreement", "mean KL nats/token", "identical replies", "reply tokens before divergence"],
+        [[q.mode, f"{q.top1_agreement:.2%}", f"{q.mean_kl_nats:.4f}", f"{q.identical_replies}/{len(CHATS)}",
+          f"{q.reply_token_agreement:.1%}"] for q in rows],
     )
-    typer.echo(f"engine overhead per step at 64 running sequences: {figures['step_overhead_ms_at_64']:.2f} ms (median)")
-    write_json(json_path, figures)
+    write_json(json_path, {"modes": [asdict(q) for q in rows]})
 
 
 @bench_app.command("capacity")

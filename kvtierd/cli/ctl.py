@@ -261,7 +261,7 @@ def render_status(data: dict[str, Any]) -> Table:
             ("Model", model["name"]),
             ("Fingerprint", model["fingerprint"]),
             ("Architecture", f"{model['architecture']}, {_count(model['num_layers'])} layers"),
-            ("Device / dtype", f"{model['device']} / {model['dtype']}"),
+            ("Device / weights / KV", f"{model['device']} / {model['dtype']} / {model['kv_dtype']}"),
             ("Context window", f"{_count(model['context_window'])} tokens"),
             ("Attention", engine["attention_backend"]),
             ("Requests", f"{_count(engine['running'])} running, {_count(engine['waiting'])} waiting"),

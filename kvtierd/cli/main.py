@@ -17,15 +17,17 @@ app.add_typer(config_app, name="config")
 
 ModelOpt = Annotated[Optional[str], typer.Option("--model", help="A .gguf file or a Hugging Face directory; default: bundled SmolLM2-135M-Instruct.")]
 DeviceOpt = Annotated[str, typer.Option("--device", help="cpu, cuda or cuda:N.")]
+DtypeOpt = Annotated[Optional[str], typer.Option(
+    "--dtype", help="Weights: auto, float32 (exact), bfloat16, float16, int8 or int4 (CPU).")]
 
 
-def _engine(model: str | None, device: str):
+def _engine(model: str | None, device: str, dtype: str | None):
     from kvtierd.engine.llm_engine import LLMEngine
     from kvtierd.model.errors import ModelLoadError
     from kvtierd.model.loader import load_model
 
     try:
-        return LLMEngine(load_model(model, device))
+        return LLMEngine(load_model(model, device, dtype=dtype))
     except ModelLoadError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -64,6 +66,7 @@ def serve(
     state_dir: Annotated[Optional[str], typer.Option("--state-dir", help="State directory (SQLite, LMDB).")] = None,
     model: ModelOpt = None,
     device: Annotated[Optional[str], typer.Option("--device", help="auto, cpu, cuda or cuda:N.")] = None,
+    dtype: DtypeOpt = None,
 ) -> None:
     """Run the daemon in the foreground (settings: TOML file < KVTIERD_* env < flags)."""
     import asyncio
@@ -77,7 +80,8 @@ def serve(
     from kvtierd.storage.store_errors import SessionStoreError
 
     try:
-        settings = load_settings(config, overrides={"socket": socket, "state_dir": state_dir, "model": model, "device": device})
+        settings = load_settings(config, overrides={"socket": socket, "state_dir": state_dir, "model": model, "device": device,
+                                                         "dtype": dtype})
     except SettingsError as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
@@ -106,6 +110,7 @@ def generate(
     prompt: Annotated[str, typer.Argument(help="The user message (or raw text with --raw).")],
     model: ModelOpt = None,
     device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most.")] = 128,
     temperature: Annotated[float, typer.Option(help="0 for greedy.")] = 0.0,
     top_p: Annotated[float, typer.Option()] = 1.0,
@@ -113,7 +118,7 @@ def generate(
     raw: Annotated[bool, typer.Option("--raw", help="Continue the text as is, without the chat template.")] = False,
 ) -> None:
     """Generate one reply on the local engine and stream it to stdout."""
-    engine = _engine(model, device)
+    engine = _engine(model, device, dtype)
     tok = engine.loaded.tokenizer
     ids = tok.encode(prompt) if raw else tok.encode_chat([{"role": "user", "content": prompt}])
     _stream(engine, ids, _params(max_tokens, temperature, top_p, seed))
@@ -123,12 +128,13 @@ def generate(
 def chat(
     model: ModelOpt = None,
     device: DeviceOpt = "cpu",
+    dtype: DtypeOpt = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens per reply at most.")] = 256,
     temperature: Annotated[float, typer.Option(help="0 for greedy.")] = 0.0,
     system: Annotated[Optional[str], typer.Option(help="A system prompt.")] = None,
 ) -> None:
     """Chat with the local model in the terminal (an empty line or EOF quits)."""
-    engine = _engine(model, device)
+    engine = _engine(model, device, dtype)
     tok = engine.loaded.tokenizer
     messages = [{"role": "system", "content": system}] if system else []
     typer.echo(f"kvtierd chat on {engine.loaded.name} ({engine.loaded.config.num_layers} layers, {device}); empty line quits.")

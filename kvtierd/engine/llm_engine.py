@@ -79,7 +79,7 @@ class LLMEngine:
         self.config = config = config or EngineConfig()
         self.loaded = loaded
         mc = loaded.config
-        self.geometry = KVGeometry(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, loaded.model.dtype)
+        self.geometry = KVGeometry(mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, loaded.model.kv_dtype)
         num_blocks = self.geometry.num_blocks_for_budget(config.kv_cache_bytes)
         if num_blocks < 1:
             raise ValueError(

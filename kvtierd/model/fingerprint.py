@@ -1,8 +1,9 @@
 """A model fingerprint: the namespace every cached KV page is keyed under.
 
 Two daemons produce the same fingerprint only for the same weight bytes, loaded
-in the same dtype with the same geometry, so KV written by one can never be
-read under a different model.
+in the same weight mode, with the same KV dtype and geometry, so KV written by
+one can never be read under a different model (a bfloat16 KV chunk is never
+served to a float32 engine, nor int8 weights' KV to float32 weights).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ def digest_files(paths: Iterable[Path]) -> str:
     return h.hexdigest()
 
 
-def model_fingerprint(weights_digest: str, config: ModelConfig, dtype: torch.dtype) -> str:
+def model_fingerprint(weights_digest: str, config: ModelConfig, weight_mode: str, kv_dtype: torch.dtype) -> str:
     h = hashlib.sha256()
     h.update(weights_digest.encode())
-    h.update(str(dtype).encode())
+    h.update(f"weights={weight_mode} kv={kv_dtype}".encode())
     h.update(repr(sorted(asdict(config).items())).encode())
     return h.hexdigest()[:32]

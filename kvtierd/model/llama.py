@@ -12,8 +12,14 @@ import torch.nn.functional as F
 from kvtierd.kernels.backend import select_backend
 from kvtierd.kernels.paged_batch import PagedBatch
 from kvtierd.model.config import ModelConfig
+from kvtierd.model.quantized import QuantizedLinear
 from kvtierd.model.rope import RotaryEmbedding
-from kvtierd.model.weights import ModelWeights
+from kvtierd.model.weight_modes import WeightMode
+from kvtierd.model.weights import Matrix, ModelWeights
+
+# Steps of at most this many tokens run the quantized kernels; larger ones the dense copies
+# (quantized.py). Measured with `kvtierd bench engine`: past a few rows torch's bf16 GEMM wins.
+QUANTIZED_MAX_TOKENS = 4
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -26,13 +32,31 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def linear(x: torch.Tensor, w: Matrix, quantized: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, QuantizedLinear):
+        y = w.matmul(x, quantized)
+        return y if bias is None else y.add_(bias)
+    return F.linear(x, w, bias)
+
+
+def linear_add(h: torch.Tensor, x: torch.Tensor, w: Matrix, quantized: bool) -> torch.Tensor:
+    """`h + x @ w.T`: dense, the residual add is folded into the GEMM (beta=1), one pass over h fewer."""
+    if isinstance(w, QuantizedLinear):
+        return h.add_(w.matmul(x, quantized))
+    return torch.addmm(h, x, w.t())
+
+
 class LlamaModel:
-    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, mode: WeightMode,
+                 kv_dtype: torch.dtype) -> None:
         self.config = config
         self.weights = weights
         self.device = device
-        self.dtype = dtype
-        self.rope = RotaryEmbedding(config, device, dtype)
+        self.mode = mode
+        self.dtype = mode.compute_dtype  # activations
+        self.kv_dtype = kv_dtype
+        self.quantized_max_tokens = QUANTIZED_MAX_TOKENS
+        self.rope = RotaryEmbedding(config, device, self.dtype)
         self.attention = select_backend(device)
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_heads * config.head_dim
@@ -50,26 +74,26 @@ class LlamaModel:
         c = self.config
         attn_backend = self.attention
         plan = attn_backend.build_plan(batch)
-        cos, sin = self.rope.tables(positions)
+        cos, signed_sin = self.rope.tables(positions)
         h = F.embedding(input_ids, self.weights.embed)
         num_qk_heads = c.num_heads + c.num_kv_heads
+        quantized = input_ids.shape[0] <= self.quantized_max_tokens
         for layer, (k_cache, v_cache) in zip(self.weights.layers, kv_caches, strict=True):
             x = rms_norm(h, layer.attn_norm, c.rms_norm_eps)
-            qkv = F.linear(x, layer.qkv, layer.qkv_bias)
+            qkv = linear(x, layer.qkv, quantized, layer.qkv_bias)
             qk, v = qkv.split([self._q_size + self._kv_size, self._kv_size], dim=-1)
             # q and k heads sit side by side in qkv: one rotation covers both.
-            qk = self.rope.apply(qk.view(-1, num_qk_heads, c.head_dim), cos, sin)
+            qk = self.rope.apply(qk.view(-1, num_qk_heads, c.head_dim), cos, signed_sin)
             q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
             attn_backend.write_kv(k_cache, v_cache, k, v.view(-1, c.num_kv_heads, c.head_dim), batch.slot_mapping)
             attn = attn_backend.paged_attention(plan, q, k_cache, v_cache, self.scale)
-            # Residual adds folded into the GEMMs (beta=1): one pass over h fewer per projection.
-            h = torch.addmm(h, attn.view(-1, self._q_size), layer.o.t())
+            h = linear_add(h, attn.view(-1, self._q_size), layer.o, quantized)
             x = rms_norm(h, layer.ffn_norm, c.rms_norm_eps)
-            gate, up = F.linear(x, layer.gate_up).chunk(2, dim=-1)
-            h = torch.addmm(h, F.silu(gate, inplace=True).mul_(up), layer.down.t())
+            gate, up = linear(x, layer.gate_up, quantized).chunk(2, dim=-1)
+            h = linear_add(h, F.silu(gate, inplace=True).mul_(up), layer.down, quantized)
         return rms_norm(h, self.weights.final_norm, c.rms_norm_eps)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`[n, hidden] -> [n, vocab]` in float32."""
-        return F.linear(hidden, self.weights.lm_head).float()
+        return linear(hidden, self.weights.lm_head, hidden.shape[0] <= self.quantized_max_tokens).float()

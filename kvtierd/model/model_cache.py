@@ -3,8 +3,9 @@
 Reading a GGUF file takes seconds on a CPU: gguf's reader walks every metadata string (the vocabulary
 and merges are 100,000 of them) and the quantized tensors are dequantized. The cache keeps the result:
 
-    <cache_dir>/<digest of the weights>-<dtype>/
-        weights.safetensors   the fused tensors as the forward uses them
+    <cache_dir>/<digest of the weights>-<weight mode>/
+        weights.safetensors   the fused tensors as the forward uses them (a quantized matrix as
+                              <name>.packed, <name>.scales and <name>.dense)
         model.json            format version, the ModelConfig, the tokenizer's state
 
 An entry is written into a temporary directory and renamed into place, so a reader finds it whole or
@@ -26,8 +27,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from kvtierd.model.config import ModelConfig, RopeScaling
+from kvtierd.model.quantized import QuantizedLinear
 from kvtierd.model.tokenizer import ChatTokenizer
-from kvtierd.model.weights import LayerWeights, ModelWeights
+from kvtierd.model.weight_modes import WeightMode
+from kvtierd.model.weights import LayerWeights, Matrix, ModelWeights
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +42,10 @@ class ModelCache:
     def __init__(self, directory: Path) -> None:
         self.directory = directory
 
-    def get(self, digest: str, dtype: torch.dtype,
+    def get(self, digest: str, mode: WeightMode,
             device: torch.device) -> tuple[ModelConfig, ModelWeights, ChatTokenizer] | None:
         """The cached conversion, on `device`; None when there is none (or it was unreadable: then it is gone)."""
-        entry = self._entry(digest, dtype)
+        entry = self._entry(digest, mode)
         if not entry.is_dir():
             return None
         try:
@@ -51,7 +54,7 @@ class ModelCache:
                 raise ValueError(f"format version {meta['format_version']}, this build reads {FORMAT_VERSION}")
             config = _config(meta["config"])
             tensors = load_file(entry / "weights.safetensors", device=str(device))
-            weights = _weights(tensors, config)
+            weights = _weights(tensors, config, mode)
             tokenizer = ChatTokenizer.from_state(meta["tokenizer"])
         except Exception as e:  # any damage means convert again: the GGUF is the source of truth
             log.warning("converted-model cache entry %s is unreadable (%s): removed, converting the model again",
@@ -60,10 +63,10 @@ class ModelCache:
             return None
         return config, weights, tokenizer
 
-    def put(self, digest: str, dtype: torch.dtype, config: ModelConfig, weights: ModelWeights,
+    def put(self, digest: str, mode: WeightMode, config: ModelConfig, weights: ModelWeights,
             tokenizer: ChatTokenizer) -> None:
         """Stores a conversion; a failure (disk full, no permission) is logged, never raised."""
-        entry = self._entry(digest, dtype)
+        entry = self._entry(digest, mode)
         tmp: Path | None = None
         try:
             self.directory.mkdir(parents=True, exist_ok=True)
@@ -78,27 +81,40 @@ class ModelCache:
             if not entry.is_dir():  # else another daemon's conversion got there first
                 log.warning("cannot cache the converted model in %s: %s", self.directory, e)
 
-    def _entry(self, digest: str, dtype: torch.dtype) -> Path:
-        return self.directory / f"{digest[:32]}-{str(dtype).removeprefix('torch.')}"
+    def _entry(self, digest: str, mode: WeightMode) -> Path:
+        return self.directory / f"{digest[:32]}-{mode.name}"
 
 
 def _tensors(weights: ModelWeights, config: ModelConfig) -> dict[str, torch.Tensor]:
-    out = {"embed": weights.embed, "final_norm": weights.final_norm}
-    if not config.tie_word_embeddings:
-        out["lm_head"] = weights.lm_head
+    out: dict[str, torch.Tensor] = {"embed": weights.embed, "final_norm": weights.final_norm}
+
+    def add(name: str, t: Matrix | None) -> None:
+        if isinstance(t, QuantizedLinear):
+            out.update({f"{name}.packed": t.packed, f"{name}.scales": t.scales, f"{name}.dense": t.dense})
+        elif t is not None:
+            out[name] = t
+
+    if weights.lm_head is not weights.embed:
+        add("lm_head", weights.lm_head)
     for i, layer in enumerate(weights.layers):
         for name in LAYER_FIELDS:
-            if (t := getattr(layer, name)) is not None:
-                out[f"layers.{i}.{name}"] = t
+            add(f"layers.{i}.{name}", getattr(layer, name))
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
 
-def _weights(tensors: dict[str, torch.Tensor], config: ModelConfig) -> ModelWeights:
-    layers = [LayerWeights(**{name: tensors.get(f"layers.{i}.{name}") for name in LAYER_FIELDS})
+def _weights(tensors: dict[str, torch.Tensor], config: ModelConfig, mode: WeightMode) -> ModelWeights:
+    def get(name: str, kind: str | None = mode.quantization) -> Matrix | None:
+        if f"{name}.packed" in tensors:
+            assert kind is not None, f"{name} is quantized in a {mode.name} entry"
+            return QuantizedLinear(kind, tensors[f"{name}.packed"], tensors[f"{name}.scales"], tensors[f"{name}.dense"])
+        return tensors.get(name)
+
+    layers = [LayerWeights(**{name: get(f"layers.{i}.{name}") for name in LAYER_FIELDS})
               for i in range(config.num_layers)]
     embed = tensors["embed"]
+    lm_head = get("lm_head", "int8")  # convert_weights quantizes the LM head to int8 in every quantized mode
     return ModelWeights(embed=embed, layers=layers, final_norm=tensors["final_norm"],
-                        lm_head=embed if config.tie_word_embeddings else tensors["lm_head"])
+                        lm_head=embed if lm_head is None else lm_head)
 
 
 def _config(fields: dict) -> ModelConfig:

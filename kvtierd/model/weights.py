@@ -3,6 +3,7 @@
 Linear weights are `[out_features, in_features]` as in `torch.nn.functional.linear`.
 q, k and v are fused into one matrix, and gate and up into another, so that a
 decode step streams each layer's weights in two large reads instead of five.
+In a quantized mode (weight_modes.py) each matrix is a `QuantizedLinear` instead.
 """
 
 from __future__ import annotations
@@ -11,16 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtierd.model.quantized import QuantizedLinear
+
+Matrix = torch.Tensor | QuantizedLinear
+
 
 @dataclass(slots=True)
 class LayerWeights:
     attn_norm: torch.Tensor  # [hidden]
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv: Matrix  # [(heads + 2 * kv_heads) * head_dim, hidden]
     qkv_bias: torch.Tensor | None  # [(heads + 2 * kv_heads) * head_dim]
-    o: torch.Tensor  # [hidden, heads * head_dim]
+    o: Matrix  # [hidden, heads * head_dim]
     ffn_norm: torch.Tensor  # [hidden]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: Matrix  # [2 * intermediate, hidden]
+    down: Matrix  # [hidden, intermediate]
 
 
 @dataclass(slots=True)
@@ -28,17 +33,22 @@ class ModelWeights:
     embed: torch.Tensor  # [vocab, hidden]
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
-    lm_head: torch.Tensor  # [vocab, hidden]; the same tensor as embed when tied
+    lm_head: Matrix  # [vocab, hidden]; the same tensor as embed when tied (dense modes)
 
     def num_bytes_per_token(self) -> int:
         """Bytes a batch-1 decode step reads: every matrix once, one embedding row."""
-        total = self.lm_head.numel() * self.lm_head.element_size()
-        total += self.embed.shape[1] * self.embed.element_size()
+        total = _bytes_read(self.lm_head) + self.embed.shape[1] * self.embed.element_size()
         for layer in self.layers:
             for t in (layer.attn_norm, layer.qkv, layer.qkv_bias, layer.o, layer.ffn_norm, layer.gate_up, layer.down):
                 if t is not None:
-                    total += t.numel() * t.element_size()
-        return total + self.final_norm.numel() * self.final_norm.element_size()
+                    total += _bytes_read(t)
+        return total + _bytes_read(self.final_norm)
+
+
+def _bytes_read(t: Matrix) -> int:
+    if isinstance(t, QuantizedLinear):
+        return t.num_bytes_streamed()
+    return t.numel() * t.element_size()
 
 
 def fuse_layer(

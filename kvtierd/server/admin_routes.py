@@ -77,7 +77,7 @@ async def status(request: web.Request) -> web.Response:
         "state_dir": str(state.settings.state_dir),
         "model": {"name": lm.name, "fingerprint": lm.fingerprint, "architecture": lm.config.architecture,
                   "num_layers": lm.config.num_layers, "device": str(lm.model.device),
-                  "dtype": str(lm.model.dtype).removeprefix("torch."),
+                  "dtype": lm.model.mode.name, "kv_dtype": str(lm.model.kv_dtype).removeprefix("torch."),
                   "context_window": state.engine.engine.max_model_len},
         "engine": await state.engine.call(lambda: engine_status(state)),  # between two steps
         "draining": state.draining,

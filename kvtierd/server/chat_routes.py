@@ -36,7 +36,8 @@ async def list_models(request: web.Request) -> web.Response:
 
 def model_card(state: DaemonState) -> dict:
     return {"id": state.model_id, "object": "model", "created": int(time.time() - (time.monotonic() - state.started)),
-            "owned_by": "kvtierd", "context_window": state.engine.engine.max_model_len}
+            "owned_by": "kvtierd", "context_window": state.engine.engine.max_model_len,
+            "dtype": state.loaded.model.mode.name, "kv_dtype": str(state.loaded.model.kv_dtype).removeprefix("torch.")}
 
 
 @routes.post("/v1/chat/completions")

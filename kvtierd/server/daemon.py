@@ -48,7 +48,8 @@ def resolve_device(device: str) -> str:
 
 def build_state(settings: Settings) -> DaemonState:
     settings.state_dir.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(settings.model, resolve_device(settings.device), cache_dir=settings.model_cache_dir)
+    loaded = load_model(settings.model, resolve_device(settings.device), dtype=settings.dtype,
+                        cache_dir=settings.model_cache_dir, kv_dtype=settings.kv_dtype)
     engine = LLMEngine(loaded, EngineConfig(
         block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
@@ -58,8 +59,9 @@ def build_state(settings: Settings) -> DaemonState:
         hash_algorithm=settings.hash_algorithm, tiers=tier_config(settings), qos=qos_config(settings),
         compact_threshold=settings.compact_threshold,
     ))
-    log.info("model %s loaded (%s, %d layers, fingerprint %s); KV pool %d pages of %d tokens",
-             loaded.name, loaded.model.device, loaded.config.num_layers, loaded.fingerprint,
+    log.info("model %s loaded (%s, %s weights, %s KV, %d layers, fingerprint %s); KV pool %d pages of %d tokens",
+             loaded.name, loaded.model.device, loaded.model.mode.name, str(loaded.model.kv_dtype).removeprefix("torch."),
+             loaded.config.num_layers, loaded.fingerprint,
              engine.kv.pool.num_blocks, settings.block_size)
     for tier in engine.tier_stats():
         log.info("%s KV tier: %s", tier.name, f"{tier.capacity_bytes} bytes" if tier.enabled else tier.reason)

@@ -18,6 +18,7 @@ from typing import Any
 from kvtierd.cache.block_hash import HASH_FUNCTIONS
 from kvtierd.cache.eviction import EVICTION_POLICIES
 from kvtierd.engine.config import QOS_CLASSES
+from kvtierd.model.weight_modes import KV_DTYPES, WEIGHT_MODES
 from kvtierd.server.paths import default_socket_path, default_state_dir
 from kvtierd.server.truncation import TRUNCATION_POLICIES
 from kvtierd.tiers.config import DISK_ADMISSIONS, REMOTE_ADMISSIONS, TIER_CODECS
@@ -203,10 +204,15 @@ SETTINGS: tuple[Setting, ...] = (
             "state directory: SQLite store, LMDB (default: $STATE_DIRECTORY, else $XDG_STATE_HOME/kvtierd)"),
     Setting("model", "model", "path", None, parse_optional_str, "a .gguf file or a Hugging Face directory (default: bundled SmolLM2-135M-Instruct)"),
     Setting("device", "model", "device", "auto", parse_device, "auto, cpu, cuda or cuda:N"),
+    Setting("dtype", "model", "dtype", "auto", one_of("auto", *WEIGHT_MODES),
+            "weights: auto (float32 on CPU, bfloat16 or float16 on CUDA), float32 (exact), bfloat16, float16, int8 "
+            "or int4 (weight-only, CPU)"),
     Setting("model_cache_dir", "model", "cache_dir", None, parse_optional_str,
             "where a GGUF model's conversion is kept for fast restarts (default: <state_dir>/model-cache; off: none)"),
     Setting("block_size", "cache", "block_size", 16, int_between(1, 256), "tokens per KV page (1 to 256)"),
     Setting("kv_cache_bytes", "cache", "kv_cache_bytes", 1 << 30, parse_bytes, "device KV pool size"),
+    Setting("kv_dtype", "cache", "kv_dtype", "auto", one_of("auto", *KV_DTYPES),
+            "dtype of the KV cache in every tier: auto (the weights' compute dtype), float32, bfloat16 or float16"),
     Setting("eviction_policy", "cache", "eviction_policy", "lru", one_of(*EVICTION_POLICIES),
             "which idle cached page is reused first: lru, lfu (fewest hits) or cost (hits x (1 + depth in its chain))"),
     Setting("prefix_ttl_s", "cache", "prefix_ttl_s", 0.0, float_at_least(0.0),
@@ -309,8 +315,10 @@ class Settings:
     model: str | None
     model_cache_dir: Path | None
     device: str
+    dtype: str
     block_size: int
     kv_cache_bytes: int
+    kv_dtype: str
     eviction_policy: str
     prefix_ttl_s: float
     prefix_min_hits_per_hour: float

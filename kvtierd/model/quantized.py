@@ -1,0 +1,65 @@
+"""Weight-only quantized matrices: int8 per output channel, or 4-bit groups kept packed.
+
+A step of a few tokens (decode) is bound by the bytes of weights it reads, so it runs torch's
+quantized CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), which read 1/2 or
+1/4 of bfloat16's bytes. A step of many tokens (prefill) is bound by arithmetic, where those
+kernels are several times slower than the bfloat16 GEMM, so each matrix is also kept dense in
+bfloat16 holding the same (dequantized) values: both paths compute with one set of weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+INT4_GROUP = 32  # weights per 4-bit group: llama.cpp's Q4_0/Q4_1 block
+
+
+@dataclass(slots=True)
+class QuantizedLinear:
+    """A `[out, in]` matrix of a weight-only quantized mode."""
+
+    kind: str  # "int8" or "int4"
+    packed: torch.Tensor  # int8: [out, in] int8; int4: torch's packed uint8 [out, in / 2]
+    scales: torch.Tensor  # int8: [out]; int4: [in / INT4_GROUP, out, 2] (scale, offset); compute dtype
+    dense: torch.Tensor  # [out, in] compute dtype: the dequantized values, for large steps
+
+    def matmul(self, x: torch.Tensor, quantized: bool) -> torch.Tensor:
+        """`x [n, in] -> [n, out]`; `quantized` picks the weight-streaming kernel (small steps)."""
+        if not quantized:
+            return torch.nn.functional.linear(x, self.dense)
+        if self.kind == "int8":
+            return torch._weight_int8pack_mm(x, self.packed, self.scales)
+        return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP, self.scales)
+
+    def num_bytes_streamed(self) -> int:
+        """Bytes a quantized matmul reads: the packed weights and their scales."""
+        return self.packed.numel() * self.packed.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def quantize(w: torch.Tensor, kind: str, compute_dtype: torch.dtype) -> QuantizedLinear:
+    """Quantizes a float matrix `[out, in]`. The scales are rounded to the compute dtype first and the
+    codes chosen against the rounded scales, so the kernel's dequantization is the one intended."""
+    w = w.float()
+    if kind == "int8":
+        scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-12).to(compute_dtype)
+        codes = torch.round(w / scales.float()[:, None]).clamp(-127, 127)
+        dense = codes * scales.float()[:, None]
+        return QuantizedLinear(kind, codes.to(torch.int8), scales, dense.to(compute_dtype))
+    if kind == "int4":
+        out_features, in_features = w.shape
+        assert in_features % INT4_GROUP == 0, "int4 needs the input size to be a multiple of the group"
+        groups = w.view(out_features, in_features // INT4_GROUP, INT4_GROUP)
+        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+        # Asymmetric, like Q4_1: value = scale * code + low with code in 0..15. torch's kernel computes
+        # scale * (code - 8) + offset, so offset = low + 8 * scale. A Q4_1 group, whose codes span 0..15,
+        # comes back with its own scale, low and codes.
+        scale = ((high - low) / 15).clamp_min(1e-12).to(compute_dtype).float()
+        offset = (low + 8 * scale).to(compute_dtype).float()
+        codes = torch.round((groups - offset[..., None]) / scale[..., None] + 8).clamp(0, 15)
+        dense = ((codes - 8) * scale[..., None] + offset[..., None]).view(out_features, in_features)
+        packed = torch._convert_weight_to_int4pack_for_cpu(codes.view(out_features, in_features).to(torch.int32), 1)
+        scales = torch.stack([scale.t(), offset.t()], dim=-1).to(compute_dtype).contiguous()
+        return QuantizedLinear(kind, packed, scales, dense.to(compute_dtype))
+    raise ValueError(f"unknown quantization {kind!r}")
