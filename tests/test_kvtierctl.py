@@ -43,7 +43,8 @@ STATUS = {
         "architecture": "llama",
         "num_layers": 30,
         "device": "cuda:0",
-        "dtype": "bfloat16",
+        "dtype": "int8",
+        "kv_dtype": "bfloat16",
         "context_window": 8192,
     },
     "engine": {
@@ -350,7 +351,7 @@ def test_status_table(fake: FakeDaemon):
     out = table_of(fake, "status")
     for value in (
         "0.1.0-test", "serving", "2h 05m", "/var/lib/kvtierd", "SmolLM2-135M-Instruct", "md5:3f2a9c0e",
-        "llama, 30 layers", "cuda:0 / bfloat16", "8,192 tokens", "cupy-paged", "3 running, 7 waiting",
+        "llama, 30 layers", "cuda:0 / int8 / bfloat16", "8,192 tokens", "cupy-paged", "3 running, 7 waiting",
         "16 tokens", "4,000 total", "2,000 (50.0%)", "1,000 (25.0%)",
     ):
         assert value in out, value
