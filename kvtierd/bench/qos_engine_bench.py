@@ -76,7 +76,7 @@ def _qos_config(w: QosWorkload, reserve: bool, resize: bool) -> QosConfig:
 def run_scenario(loaded: LoadedModel, w: QosWorkload, name: str, flood: bool, qos: bool, reserve: bool,
                  resize: bool = False) -> dict:
     bytes_per_page = BLOCK_SIZE * 2 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim \
-        * loaded.model.dtype.itemsize
+        * loaded.model.kv_dtype.itemsize
     engine = LLMEngine(loaded, EngineConfig(
         block_size=BLOCK_SIZE, kv_cache_bytes=w.kv_pages * bytes_per_page, max_num_batched_tokens=512,
         qos=_qos_config(w, reserve, resize)))
