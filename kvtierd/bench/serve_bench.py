@@ -214,6 +214,17 @@ def _tail(log: Path, lines: int = 30) -> str:
     return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
 
 
+def stop_daemon(process: subprocess.Popen) -> None:
+    """SIGTERM (the daemon drains and flushes), SIGKILL only if it has not exited a minute later."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
 @contextlib.contextmanager
 def started_daemon(timeout: float = READY_TIMEOUT_S, root: Path | None = None,
                    env: dict[str, str] | None = None) -> Iterator[Path]:
@@ -233,13 +244,7 @@ def started_daemon(timeout: float = READY_TIMEOUT_S, root: Path | None = None,
         _wait_ready(process, socket, log, timeout)
         yield socket
     finally:
-        if process.poll() is None:
-            process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_daemon(process)
         if own_root:
             shutil.rmtree(root, ignore_errors=True)
 

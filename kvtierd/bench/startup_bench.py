@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from pathlib import Path
 import httpx
 import torch
 
+from kvtierd.bench.serve_bench import stop_daemon
 from kvtierd.model.loader import LoadedModel, load_model
 
 READY_GUARD_S = 300.0  # a daemon not ready by then is broken, not slow
@@ -107,12 +107,7 @@ def _process_to_first_token(model: str | None, cache: Path) -> tuple[float, floa
                 raise RuntimeError("the fresh daemon's reply carried no token")
         return ready, first - t0, first - sent
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(60)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        stop_daemon(process)
         shutil.rmtree(root, ignore_errors=True)
 
 
