@@ -47,15 +47,21 @@ def run_rest(engine, rid: str) -> list:
     return outs
 
 
+def prompt_below_the_device(make_engine, tok):
+    """A tiered engine and a prompt whose KV it computed and then pushed out of the device to the host tier."""
+    engine = tiered(make_engine)
+    prompt = ask(tok, TOPICS[0])
+    push_out(engine, tok, prompt)
+    return engine, prompt
+
+
 def cold_run(make_engine, prompt) -> list:
     return run_one(make_engine(enable_prefix_caching=False), prompt)
 
 
 def test_a_loading_request_waits_while_others_step_then_runs_with_the_same_output(loaded, make_engine):
     tok = loaded.tokenizer
-    engine = tiered(make_engine)
-    prompt = ask(tok, TOPICS[0])
-    push_out(engine, tok, prompt)
+    engine, prompt = prompt_below_the_device(make_engine, tok)
     slow_prefill(engine)
     held = HeldWorkers(engine)
     rid = engine.add_request(prompt, PARAMS)
@@ -75,9 +81,7 @@ def test_a_loading_request_waits_while_others_step_then_runs_with_the_same_outpu
 
 def test_two_requests_needing_the_same_chunks_share_one_load_each(loaded, make_engine):
     tok = loaded.tokenizer
-    engine = tiered(make_engine)
-    prompt = ask(tok, TOPICS[0])
-    push_out(engine, tok, prompt)
+    engine, prompt = prompt_below_the_device(make_engine, tok)
     slow_prefill(engine)
     held = HeldWorkers(engine)
     first = engine.add_request(prompt, PARAMS)
@@ -103,9 +107,7 @@ def test_two_requests_needing_the_same_chunks_share_one_load_each(loaded, make_e
 
 def test_a_loading_request_cancelled_mid_load_gives_its_pages_back(loaded, make_engine):
     tok = loaded.tokenizer
-    engine = tiered(make_engine)
-    prompt = ask(tok, TOPICS[0])
-    push_out(engine, tok, prompt)
+    engine, prompt = prompt_below_the_device(make_engine, tok)
     free_before = engine.kv.pool.num_free_blocks
     slow_prefill(engine)
     held = HeldWorkers(engine)
@@ -129,9 +131,7 @@ def test_a_loading_request_cancelled_mid_load_gives_its_pages_back(loaded, make_
 
 def test_a_load_past_its_deadline_turns_into_a_recompute_with_the_same_output(loaded, make_engine):
     tok = loaded.tokenizer
-    engine = tiered(make_engine)
-    prompt = ask(tok, TOPICS[0])
-    push_out(engine, tok, prompt)
+    engine, prompt = prompt_below_the_device(make_engine, tok)
     planner = engine.tiers.planner
     # Loading still wins the plan, but recomputing is estimated at nanoseconds: the deadline passes at once.
     planner.observe_load("host", 10**15, 1.0)
