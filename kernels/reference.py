@@ -37,27 +37,58 @@ def _gather(cache: torch.Tensor, blocks: torch.Tensor, num_tokens: int, dtype: t
 
 
 @dataclass(slots=True)
+class DecodeGroup:
+    """Decodes of similar context length, attended in one padded call (padding costs a gather and the
+    attention over it: a 40-token context beside a 1,000-token one would read 25x its own KV)."""
+
+    rows: torch.Tensor | None  # [n] int64: their rows among the decodes; None: all decodes, in order
+    blocks: torch.Tensor  # [n, pages of the longest] int64
+    ctx: int  # the longest context
+    mask: torch.Tensor | None  # [n, 1, 1, ctx] bool, True where attended; None: all
+
+
+@dataclass(slots=True)
 class ReferencePlan:
     batch: PagedBatch
-    decode_blocks: torch.Tensor  # [num_decodes, pages of the longest] int64
-    decode_ctx: int  # the longest decode context
-    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, decode_ctx] bool, True where attended; None: all
+    decode_groups: list[DecodeGroup]
     prefill_blocks: list[torch.Tensor]  # per prefill sequence: [its pages] int64
 
     @classmethod
     def build(cls, batch: PagedBatch) -> "ReferencePlan":
         nd = batch.num_decodes
+        groups = _decode_groups(batch.context_lens_host[:nd])
+        decode_groups = [_decode_group(batch, None if len(groups) == 1 else rows) for rows in groups]
         bs = batch.block_size
-        decode_ctx = max(batch.context_lens_host[:nd], default=0)
-        decode_blocks = _blocks(batch.block_tables[:nd], decode_ctx, bs)
-        decode_mask = None
-        if len(set(batch.context_lens_host[:nd])) > 1:  # padding only when lengths differ
-            positions = torch.arange(decode_ctx, device=batch.context_lens.device)
-            decode_mask = (positions < batch.context_lens[:nd, None]).view(nd, 1, 1, decode_ctx)
         prefill_blocks = [
             _blocks(batch.block_tables[i], batch.context_lens_host[i], bs) for i in range(nd, batch.num_seqs)
         ]
-        return cls(batch, decode_blocks, decode_ctx, decode_mask, prefill_blocks)
+        return cls(batch, decode_groups, prefill_blocks)
+
+
+def _decode_groups(context_lens: list[int], min_span: int = 64) -> list[list[int]]:
+    """Decode rows in groups by context length, shortest first: a group takes contexts up to twice (and at
+    least `min_span` past) its shortest, so padding at most doubles what a group reads."""
+    groups: list[list[int]] = []
+    for row in sorted(range(len(context_lens)), key=context_lens.__getitem__):
+        shortest = context_lens[groups[-1][0]] if groups else 0
+        if groups and context_lens[row] <= max(2 * shortest, shortest + min_span):
+            groups[-1].append(row)
+        else:
+            groups.append([row])
+    return groups
+
+
+def _decode_group(batch: PagedBatch, rows: list[int] | None) -> DecodeGroup:
+    lens = batch.context_lens_host[: batch.num_decodes] if rows is None else [batch.context_lens_host[r] for r in rows]
+    index = None if rows is None else torch.tensor(rows, dtype=torch.int64, device=batch.context_lens.device)
+    tables = batch.block_tables[: batch.num_decodes] if index is None else batch.block_tables.index_select(0, index)
+    ctx = max(lens)
+    mask = None
+    if len(set(lens)) > 1:  # padding only when lengths differ
+        context = batch.context_lens[: batch.num_decodes] if index is None else \
+            batch.context_lens.index_select(0, index)
+        mask = (torch.arange(ctx, device=context.device) < context[:, None]).view(len(lens), 1, 1, ctx)
+    return DecodeGroup(index, _blocks(tables, ctx, batch.block_size), ctx, mask)
 
 
 def paged_attention(
@@ -75,15 +106,18 @@ def paged_attention(
     out = q.new_empty(q.shape)
 
     nd = batch.num_decodes
-    if nd:
-        # One query per sequence: one padded attention call over the gathered pages.
-        qd = q[:nd].unsqueeze(2)  # [nd, heads, 1, head_dim]
-        kd = _gather(k_cache, plan.decode_blocks, plan.decode_ctx, q.dtype).transpose(1, 2)  # [nd, kv_heads, ctx, head_dim]
-        vd = _gather(v_cache, plan.decode_blocks, plan.decode_ctx, q.dtype).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=plan.decode_mask, scale=scale, enable_gqa=True)
-        if nd == num_tokens:
-            return od.view(nd, num_heads, head_dim)
-        out[:nd] = od.view(nd, num_heads, head_dim)
+    for g in plan.decode_groups:
+        # One query per sequence: one padded attention call over the group's gathered pages.
+        qd = (q[:nd] if g.rows is None else q.index_select(0, g.rows)).unsqueeze(2)  # [n, heads, 1, head_dim]
+        kd = _gather(k_cache, g.blocks, g.ctx, q.dtype).transpose(1, 2)  # [n, kv_heads, ctx, head_dim]
+        vd = _gather(v_cache, g.blocks, g.ctx, q.dtype).transpose(1, 2)
+        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True).squeeze(2)
+        if g.rows is None and nd == num_tokens:
+            return od
+        if g.rows is None:
+            out[:nd] = od
+        else:
+            out.index_copy_(0, g.rows, od)
 
     start = nd  # decodes hold exactly one token each
     for i, blocks in enumerate(plan.prefill_blocks, start=nd):

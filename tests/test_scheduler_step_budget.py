@@ -197,9 +197,11 @@ def test_a_budget_below_the_step_overhead_still_moves_the_lower_classes():
 
 
 def test_the_cost_model_fits_overhead_and_per_token_costs_from_observed_steps():
-    truth = StepCost(overhead_s=0.040, prefill_token_s=0.0008, decode_token_s=0.002)
+    truth = StepCost(overhead_s=0.040, prefill_token_s=0.0008, decode_token_s=0.002, context_token_s=0.00001)
     model = StepCostModel()
-    shapes = [StepShape(p, d) for p in (0, 16, 128, 512, 2048) for d in (0, 1, 8, 32) if p or d]
+    # Decodes over short and long contexts, prefill chunks over none or a cached prefix: steps as they come.
+    shapes = [StepShape(p, d, p + cached + d * ctx) for p in (0, 16, 128, 512, 2048) for cached in (0, 1000)
+              for d in (0, 1, 8, 32) for ctx in (40, 1000) if p or d]
     for _ in range(5):
         for s in shapes:
             model.observe(s, truth.seconds(s))
@@ -207,7 +209,11 @@ def test_the_cost_model_fits_overhead_and_per_token_costs_from_observed_steps():
     assert fit.overhead_s == pytest.approx(truth.overhead_s, rel=0.02)
     assert fit.prefill_token_s == pytest.approx(truth.prefill_token_s, rel=0.02)
     assert fit.decode_token_s == pytest.approx(truth.decode_token_s, rel=0.02)
-    assert fit.prefill_tokens_within(StepShape(0, 10), 0.100) == int((0.100 - 0.060) / 0.0008)
+    assert fit.context_token_s == pytest.approx(truth.context_token_s, rel=0.02)
+    # A chunk after 200 cached tokens: each of its n tokens costs prefill + context, and its 200 cached ones too.
+    shape = StepShape(0, 10, 10 * 100)
+    spare = 0.100 - truth.seconds(shape) - 200 * truth.context_token_s  # 28 ms: 34 tokens
+    assert abs(fit.prefill_tokens_within(shape, 0.100, 200) - spare / (0.0008 + 0.00001)) <= 1
 
 
 def test_the_cost_model_follows_a_change_and_keeps_what_it_cannot_see_at_the_prior():
@@ -232,4 +238,4 @@ def test_the_cost_model_keeps_its_coefficients_non_negative():
     for n in (1, 2, 4, 8, 16, 32):  # more decodes, less time: a noisy machine can say so
         model.observe(StepShape(0, n), 0.05 - 0.001 * n)
     fit = model.current
-    assert min(fit.overhead_s, fit.prefill_token_s, fit.decode_token_s) >= 0
+    assert min(fit.overhead_s, fit.prefill_token_s, fit.decode_token_s, fit.context_token_s) >= 0

@@ -38,7 +38,8 @@ the queue's head is of it) is planned first, under the token budget only.
 Lower classes' work comes after, each request cut to what keeps the step's
 planned cost within the top class's `step_budget_ms` (auto: its own work
 plus one step of one decode; `engine/step_cost.py`
-predicts a step's seconds from its prefill tokens and decodes, as measured):
+predicts a step's seconds from its prefill tokens, decodes and the context
+they attend over, as measured):
 their prefill is chunked finer, and their decodes skip a step when even one
 does not fit. When nothing of a lower class is present, nothing is cut: with
 one class only, steps are as large as the token budget makes them.
@@ -66,6 +67,7 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     allocation: Allocation
+    context_len: int  # its tokens in the cache after the step: what its attention reads
 
 
 @dataclass(slots=True)
@@ -92,7 +94,8 @@ class StepPlan:
 
     @property
     def shape(self) -> StepShape:
-        return StepShape(sum(s.num_new_tokens for s in self.prefills), len(self.decodes))
+        return StepShape(sum(s.num_new_tokens for s in self.prefills), len(self.decodes),
+                         sum(s.context_len for s in self.scheduled))
 
 
 @dataclass(slots=True)
@@ -181,7 +184,7 @@ class Scheduler:
                 if victim is req:
                     return  # the ones after it went first
                 alloc = self.kv.allocate_slots(req.request_id, n)
-            self._add_to_plan(plan, room, ScheduledRequest(req, n, alloc))
+            self._add_to_plan(plan, room, ScheduledRequest(req, n, alloc, req.num_computed_tokens + n))
 
     def _admit_waiting(self, plan: StepPlan, room: _StepRoom, lower: bool, inflight: set[BlockHash],
                        no_room: set[str], deferred: set[TenantKey]) -> None:
@@ -224,7 +227,7 @@ class Scheduler:
             return 0 if n == 0 else None
         self.waiting.admitted(req, req.num_pending_tokens)
         self._start_running(req)
-        self._add_to_plan(plan, room, ScheduledRequest(req, n, alloc))
+        self._add_to_plan(plan, room, ScheduledRequest(req, n, alloc, req.num_computed_tokens + n))
         return n
 
     def _num_new_tokens(self, req: Request, plan: StepPlan, room: _StepRoom) -> int:
@@ -234,9 +237,10 @@ class Scheduler:
             return n
         cost = self.step_cost.current
         if n == 1:
-            fits = 1 if cost.seconds(plan.shape.plus(num_decodes=1)) <= room.limit_s else 0
+            shape = plan.shape.plus(num_decodes=1, num_context_tokens=req.num_computed_tokens + 1)
+            fits = 1 if cost.seconds(shape) <= room.limit_s else 0
         else:
-            fits = min(n, cost.prefill_tokens_within(plan.shape, room.limit_s))
+            fits = min(n, cost.prefill_tokens_within(plan.shape, room.limit_s, req.num_computed_tokens))
         # A step that would carry nothing still moves: a limit below the fixed overhead cannot stall the engine.
         return fits or (min(n, self.kv.block_size) if plan.empty else 0)
 

@@ -1,11 +1,15 @@
 """What an engine step costs, learned from the steps the engine runs.
 
     seconds = overhead_s + prefill_token_s x prefill tokens + decode_token_s x decodes
+              + context_token_s x context tokens
 
 The overhead is what every step pays whatever its size (the weights read once,
-Python, sampling); the two per-token costs are fitted apart because a decode
-token attends over a whole context while a prefill token shares its chunk's
-matrix products. The fit is least squares over the measured steps, each
+Python, sampling); the two per-token costs are fitted apart because a prefill
+token shares its chunk's matrix products while a decode is a row of its own.
+The context tokens are each scheduled sequence's context length (its cached
+tokens and its new ones): attention reads all of their K/V, so a decode over
+1,000 cached tokens costs far more than one over 40, and a step planned as a
+count of decodes alone would run long when long contexts decode. The fit is least squares over the measured steps, each
 weighted by how recent it is (the weight halves every `half_life_steps`), so
 it follows the machine as its load changes. A prior holds the coefficients the
 steps cannot tell apart (only decodes seen: the prefill cost stays the prior's)
@@ -18,19 +22,22 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-NUM_TERMS = 3  # overhead, prefill tokens, decodes
+NUM_TERMS = 4  # overhead, prefill tokens, decodes, context tokens
 # Feature scales: the prior pulls on each coefficient as a tenth of a step of this shape would.
 PREFILL_SCALE = 256.0
 DECODE_SCALE = 16.0
+CONTEXT_SCALE = 4096.0
 
 
 @dataclass(frozen=True, slots=True)
 class StepShape:
     num_prefill_tokens: int = 0
     num_decodes: int = 0
+    num_context_tokens: int = 0  # sum of the scheduled sequences' context lengths after the step
 
-    def plus(self, num_prefill_tokens: int = 0, num_decodes: int = 0) -> StepShape:
-        return StepShape(self.num_prefill_tokens + num_prefill_tokens, self.num_decodes + num_decodes)
+    def plus(self, num_prefill_tokens: int = 0, num_decodes: int = 0, num_context_tokens: int = 0) -> StepShape:
+        return StepShape(self.num_prefill_tokens + num_prefill_tokens, self.num_decodes + num_decodes,
+                         self.num_context_tokens + num_context_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,21 +45,24 @@ class StepCost:
     overhead_s: float
     prefill_token_s: float
     decode_token_s: float
+    context_token_s: float = 0.0
 
     def seconds(self, shape: StepShape) -> float:
         return self.overhead_s + self.prefill_token_s * shape.num_prefill_tokens + \
-            self.decode_token_s * shape.num_decodes
+            self.decode_token_s * shape.num_decodes + self.context_token_s * shape.num_context_tokens
 
-    def prefill_tokens_within(self, shape: StepShape, limit_s: float) -> int:
-        """How many more prefill tokens a step of `shape` can take and still cost at most `limit_s`."""
-        spare = limit_s - self.seconds(shape)
+    def prefill_tokens_within(self, shape: StepShape, limit_s: float, num_cached: int = 0) -> int:
+        """How many prefill tokens of a sequence with `num_cached` tokens before them a step of `shape` can
+        take and still cost at most `limit_s` (n of them add n prefill tokens and num_cached + n context)."""
+        spare = limit_s - self.seconds(shape) - self.context_token_s * num_cached
         if spare < 0:
             return 0
-        return int(spare / self.prefill_token_s) if self.prefill_token_s > 0 else 1 << 30
+        per_token = self.prefill_token_s + self.context_token_s
+        return int(spare / per_token) if per_token > 0 else 1 << 30
 
 
 # A small CPU's costs (SmolLM2-135M, float32): replaced within a few steps by what is measured.
-PRIOR = StepCost(overhead_s=0.03, prefill_token_s=0.001, decode_token_s=0.001)
+PRIOR = StepCost(overhead_s=0.03, prefill_token_s=0.001, decode_token_s=0.001, context_token_s=5e-6)
 
 
 class StepCostModel:
@@ -89,7 +99,7 @@ class StepCostModel:
              for i in range(NUM_TERMS)]
         b = [self._xy[i] + self.prior_weight * t0[i] for i in range(NUM_TERMS)]
         c = self._yy + self.prior_weight * sum(t * t for t in t0)
-        # Non-negative: the best of the fits with some coefficients held at 0 (8 tiny solves).
+        # Non-negative: the best of the fits with some coefficients held at 0 (15 tiny solves).
         best, best_loss = [0.0] * NUM_TERMS, c
         for size in range(NUM_TERMS, 0, -1):
             for free in itertools.combinations(range(NUM_TERMS), size):
@@ -103,15 +113,17 @@ class StepCostModel:
                     sum(t[i] * a[i][j] * t[j] for i in range(NUM_TERMS) for j in range(NUM_TERMS))
                 if loss < best_loss:
                     best, best_loss = t, loss
-        return StepCost(best[0], best[1] / PREFILL_SCALE, best[2] / DECODE_SCALE)
+        return StepCost(best[0], best[1] / PREFILL_SCALE, best[2] / DECODE_SCALE, best[3] / CONTEXT_SCALE)
 
 
 def _features(shape: StepShape) -> list[float]:
-    return [1.0, shape.num_prefill_tokens / PREFILL_SCALE, shape.num_decodes / DECODE_SCALE]
+    return [1.0, shape.num_prefill_tokens / PREFILL_SCALE, shape.num_decodes / DECODE_SCALE,
+            shape.num_context_tokens / CONTEXT_SCALE]
 
 
 def _scaled(cost: StepCost) -> list[float]:
-    return [cost.overhead_s, cost.prefill_token_s * PREFILL_SCALE, cost.decode_token_s * DECODE_SCALE]
+    return [cost.overhead_s, cost.prefill_token_s * PREFILL_SCALE, cost.decode_token_s * DECODE_SCALE,
+            cost.context_token_s * CONTEXT_SCALE]
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
