@@ -20,8 +20,8 @@ def test_the_cpu_default_mode_passes_the_quality_gate(loaded):
 
 
 def test_int4_stays_within_the_kl_half_of_the_gate(loaded):
-    """int4 (the fastest mode) is not the default: it misses the top-1 half of the gate (about 97%,
-    like bfloat16's 98%, near-ties). This holds what it measures, so a worse conversion shows."""
+    """int4 (the fastest mode) misses the top-1 half of the gate (about 96-97%: near-ties moved by its
+    4-bit weights and 8-bit LM head). This holds what it measures, so a worse conversion shows."""
     top1, kl = teacher_forced(loaded, convert_loaded(loaded, "int4"))
     assert kl <= MEAN_KL_MAX / 4 and top1 >= 0.95, (top1, kl)
 

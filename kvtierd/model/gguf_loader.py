@@ -72,7 +72,7 @@ def _unpermute_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
 def load_gguf_weights(reader: GGUFReader, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> ModelWeights:
     tensors = {t.name: t for t in reader.tensors}
 
-    def get(name: str, unpermute_heads: int = 0) -> torch.Tensor:
+    def get(name: str, unpermute_heads: int = 0, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         t = tensors.get(name)
         if t is None:
             raise ModelLoadError(f"GGUF file lacks tensor {name!r}")
@@ -83,7 +83,10 @@ def load_gguf_weights(reader: GGUFReader, config: ModelConfig, dtype: torch.dtyp
             arr = dequantize(t.data, t.tensor_type)
         if unpermute_heads:
             arr = _unpermute_rows(arr, unpermute_heads)
-        return torch.from_numpy(np.ascontiguousarray(arr)).to(device=device, dtype=dtype)
+        return torch.from_numpy(np.ascontiguousarray(arr)).to(device=device, dtype=as_dtype)
+
+    def norm(name: str) -> torch.Tensor:
+        return get(name, as_dtype=torch.float32)  # norms are float32 in every mode (weight_modes.py)
 
     def maybe(name: str, unpermute_heads: int = 0) -> torch.Tensor | None:
         return get(name, unpermute_heads) if name in tensors else None
@@ -96,7 +99,7 @@ def load_gguf_weights(reader: GGUFReader, config: ModelConfig, dtype: torch.dtyp
         q_heads, k_heads = (config.num_heads, config.num_kv_heads) if permuted else (0, 0)
         layers.append(
             fuse_layer(
-                attn_norm=get(p + "attn_norm.weight"),
+                attn_norm=norm(p + "attn_norm.weight"),
                 q=get(p + "attn_q.weight", q_heads),
                 k=get(p + "attn_k.weight", k_heads),
                 v=get(p + "attn_v.weight"),
@@ -104,7 +107,7 @@ def load_gguf_weights(reader: GGUFReader, config: ModelConfig, dtype: torch.dtyp
                 k_bias=maybe(p + "attn_k.bias", k_heads),
                 v_bias=maybe(p + "attn_v.bias"),
                 o=get(p + "attn_output.weight"),
-                ffn_norm=get(p + "ffn_norm.weight"),
+                ffn_norm=norm(p + "ffn_norm.weight"),
                 gate=get(p + "ffn_gate.weight"),
                 up=get(p + "ffn_up.weight"),
                 down=get(p + "ffn_down.weight"),
@@ -112,7 +115,7 @@ def load_gguf_weights(reader: GGUFReader, config: ModelConfig, dtype: torch.dtyp
         )
     embed = get("token_embd.weight")
     lm_head = embed if config.tie_word_embeddings else get("output.weight")
-    return ModelWeights(embed=embed, layers=layers, final_norm=get("output_norm.weight"), lm_head=lm_head)
+    return ModelWeights(embed=embed, layers=layers, final_norm=norm("output_norm.weight"), lm_head=lm_head)
 
 
 def open_gguf(path: Path) -> GGUFReader:

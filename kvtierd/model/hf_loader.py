@@ -83,11 +83,14 @@ def load_hf_weights(
             for key in st.keys():
                 tensors[key] = st.get_tensor(key)
 
-    def get(name: str) -> torch.Tensor:
+    def get(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
         t = tensors.get(name)
         if t is None:
             raise ModelLoadError(f"{path} lacks tensor {name!r}")
-        return t.to(device=device, dtype=dtype)
+        return t.to(device=device, dtype=as_dtype)
+
+    def norm(name: str) -> torch.Tensor:
+        return get(name, torch.float32)  # norms are float32 in every mode (weight_modes.py)
 
     def maybe(name: str) -> torch.Tensor | None:
         return get(name) if config.attention_bias else None
@@ -97,7 +100,7 @@ def load_hf_weights(
         p = f"model.layers.{i}."
         layers.append(
             fuse_layer(
-                attn_norm=get(p + "input_layernorm.weight"),
+                attn_norm=norm(p + "input_layernorm.weight"),
                 q=get(p + "self_attn.q_proj.weight"),
                 k=get(p + "self_attn.k_proj.weight"),
                 v=get(p + "self_attn.v_proj.weight"),
@@ -105,7 +108,7 @@ def load_hf_weights(
                 k_bias=maybe(p + "self_attn.k_proj.bias"),
                 v_bias=maybe(p + "self_attn.v_proj.bias"),
                 o=get(p + "self_attn.o_proj.weight"),
-                ffn_norm=get(p + "post_attention_layernorm.weight"),
+                ffn_norm=norm(p + "post_attention_layernorm.weight"),
                 gate=get(p + "mlp.gate_proj.weight"),
                 up=get(p + "mlp.up_proj.weight"),
                 down=get(p + "mlp.down_proj.weight"),
@@ -113,4 +116,4 @@ def load_hf_weights(
         )
     embed = get("model.embed_tokens.weight")
     lm_head = embed if config.tie_word_embeddings else get("lm_head.weight")
-    return ModelWeights(embed=embed, layers=layers, final_norm=get("model.norm.weight"), lm_head=lm_head), files
+    return ModelWeights(embed=embed, layers=layers, final_norm=norm("model.norm.weight"), lm_head=lm_head), files

@@ -34,7 +34,7 @@ from kvtierd.model.weights import LayerWeights, Matrix, ModelWeights
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: norms float32 in every mode
 LAYER_FIELDS = ("attn_norm", "qkv", "qkv_bias", "o", "ffn_norm", "gate_up", "down")
 
 

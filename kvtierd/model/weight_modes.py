@@ -6,8 +6,8 @@
     int4      4-bit weights in groups of 32 with a scale and an offset each (the GGUF's Q4_1
               layout, so a Q4_1 file's weights come back as stored); bfloat16 activations
 
-A quantized mode is weight-only: activations, norms, attention and the KV cache stay in the
-compute dtype. `kvtierd bench quality` measures each mode against float32.
+A quantized mode is weight-only: the matrices' inputs, attention and the KV cache are in the
+compute dtype. In every mode the residual stream and the norms (their weights too) are float32. `kvtierd bench quality` measures each mode against float32.
 """
 
 from __future__ import annotations
@@ -74,32 +74,32 @@ def resolve_kv_dtype(kv_dtype: str | torch.dtype | None, mode: WeightMode) -> to
 
 
 def convert_weights(weights: ModelWeights, mode: WeightMode) -> ModelWeights:
-    """`mode`'s weights from dense (float32) ones: cast for a dense mode (nothing to do when the dtype is
-    already the mode's), quantized for a quantized one. The LM head is int8 in both quantized modes: the
+    """`mode`'s weights from dense ones: cast for a dense mode (no copy of a tensor already in its dtype),
+    quantized for a quantized one; the norms float32 in every mode. The LM head is int8 in both quantized modes: the
     logits are the most sensitive matrix (4-bit there fails the quality gate), and a GGUF usually keeps
     it in 8 bits (Q8_0) while the layers are 4-bit."""
     dtype, kind = mode.compute_dtype, mode.quantization
     if kind is None:
-        if weights.embed.dtype == dtype:
-            return weights
-        cast = [LayerWeights(*(None if t is None else t.to(dtype) for t in (
-            layer.attn_norm, layer.qkv, layer.qkv_bias, layer.o, layer.ffn_norm, layer.gate_up, layer.down)))
-            for layer in weights.layers]
+        cast = [LayerWeights(attn_norm=layer.attn_norm.float(), qkv=layer.qkv.to(dtype),
+                             qkv_bias=None if layer.qkv_bias is None else layer.qkv_bias.to(dtype),
+                             o=layer.o.to(dtype), ffn_norm=layer.ffn_norm.float(), gate_up=layer.gate_up.to(dtype),
+                             down=layer.down.to(dtype))
+                for layer in weights.layers]
         embed = weights.embed.to(dtype)
         lm_head = embed if weights.lm_head is weights.embed else weights.lm_head.to(dtype)
-        return ModelWeights(embed=embed, layers=cast, final_norm=weights.final_norm.to(dtype), lm_head=lm_head)
+        return ModelWeights(embed=embed, layers=cast, final_norm=weights.final_norm.float(), lm_head=lm_head)
     layers = [
         LayerWeights(
-            attn_norm=layer.attn_norm.to(dtype),
+            attn_norm=layer.attn_norm.float(),
             qkv=quantize(layer.qkv, kind, dtype),
             qkv_bias=None if layer.qkv_bias is None else layer.qkv_bias.to(dtype),
             o=quantize(layer.o, kind, dtype),
-            ffn_norm=layer.ffn_norm.to(dtype),
+            ffn_norm=layer.ffn_norm.float(),
             gate_up=quantize(layer.gate_up, kind, dtype),
             down=quantize(layer.down, kind, dtype),
         )
         for layer in weights.layers
     ]
     assert isinstance(weights.lm_head, torch.Tensor), "convert_weights takes dense weights"
-    return ModelWeights(embed=weights.embed.to(dtype), layers=layers, final_norm=weights.final_norm.to(dtype),
+    return ModelWeights(embed=weights.embed.to(dtype), layers=layers, final_norm=weights.final_norm.float(),
                         lm_head=quantize(weights.lm_head, "int8", dtype))
