@@ -1,5 +1,6 @@
-"""The converted-model cache on real files: a cached load equals a GGUF load (weights bit for bit, the
-tokenizer id for id, the fingerprint), a damaged entry is converted again, a changed file misses."""
+"""The converted-model cache on real files (the default weight mode's): a cached load equals a GGUF load
+(weights bit for bit, the tokenizer id for id, the fingerprint), a damaged entry is converted again, a
+changed file misses."""
 
 from __future__ import annotations
 
@@ -11,24 +12,16 @@ import torch
 
 from kvtierd.model.bundled import bundled_gguf_path
 from kvtierd.model.loader import LoadedModel, load_model
-from kvtierd.model.model_cache import LAYER_FIELDS
 
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Pages of 16 tokens, 3 <|im_end|>?"}]
 
 
-def tensors(m: LoadedModel) -> dict[str, torch.Tensor]:
-    w = m.model.weights
-    out = {"embed": w.embed, "final_norm": w.final_norm, "lm_head": w.lm_head}
-    for i, layer in enumerate(w.layers):
-        out |= {f"{i}.{name}": t for name in LAYER_FIELDS if (t := getattr(layer, name)) is not None}
-    return out
-
-
 def assert_same_model(a: LoadedModel, b: LoadedModel) -> None:
     assert (a.fingerprint, a.config, a.name) == (b.fingerprint, b.config, b.name)
-    ta, tb = tensors(a), tensors(b)
+    ta, tb = a.model.weights.named_tensors(), b.model.weights.named_tensors()
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
-    assert (b.model.weights.lm_head is b.model.weights.embed) == a.config.tie_word_embeddings
+    w = b.model.weights
+    assert ((w.lm_head_exact if w.lm_head_exact is not None else w.lm_head) is w.embed) == a.config.tie_word_embeddings
     ta_, tb_ = a.tokenizer, b.tokenizer
     assert ta_.encode_chat(MESSAGES) == tb_.encode_chat(MESSAGES)
     assert (ta_.eos_token_id, ta_.eos_token_ids, ta_.bos_token_id, ta_.add_bos, ta_.special_token_ids) == \

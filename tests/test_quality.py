@@ -19,11 +19,11 @@ def test_the_cpu_default_mode_passes_the_quality_gate(loaded):
     assert top1 >= TOP1_MIN and kl <= MEAN_KL_MAX, (top1, kl)
 
 
-def test_int4_stays_within_the_kl_half_of_the_gate(loaded):
-    """int4 (the fastest mode) misses the top-1 half of the gate (about 96-97%: near-ties moved by its
-    4-bit weights and 8-bit LM head). This holds what it measures, so a worse conversion shows."""
-    top1, kl = teacher_forced(loaded, convert_loaded(loaded, "int4"))
-    assert kl <= MEAN_KL_MAX / 4 and top1 >= 0.95, (top1, kl)
+def test_int8_holds_what_it_measures(loaded):
+    """int8 (one scale per output row) misses the top-1 half of the gate (about 96%). This holds what it
+    measures, so a worse conversion shows."""
+    top1, kl = teacher_forced(loaded, convert_loaded(loaded, "int8"))
+    assert kl <= MEAN_KL_MAX / 2 and top1 >= 0.95, (top1, kl)
 
 
 def test_the_gate_can_fail_a_mode_that_is_worse(loaded):

@@ -126,8 +126,5 @@ def _wait_ready(process: subprocess.Popen, client: httpx.Client, sock: Path, t0:
 
 
 def _same(a: LoadedModel, b: LoadedModel) -> bool:
-    wa, wb = a.model.weights, b.model.weights
-    pairs = [(wa.embed, wb.embed), (wa.final_norm, wb.final_norm), (wa.lm_head, wb.lm_head)]
-    pairs += [(getattr(la, f), getattr(lb, f)) for la, lb in zip(wa.layers, wb.layers, strict=True)
-              for f in ("attn_norm", "qkv", "o", "ffn_norm", "gate_up", "down")]
-    return a.fingerprint == b.fingerprint and all(torch.equal(x, y) for x, y in pairs)
+    ta, tb = a.model.weights.named_tensors(), b.model.weights.named_tensors()
+    return a.fingerprint == b.fingerprint and ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)

@@ -34,7 +34,7 @@ from kvtierd.model.weights import LayerWeights, Matrix, ModelWeights
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: norms float32 in every mode
+FORMAT_VERSION = 2  # 2: norms float32 in every mode; quantized modes: float32 embedding, exact LM head rows
 LAYER_FIELDS = ("attn_norm", "qkv", "qkv_bias", "o", "ffn_norm", "gate_up", "down")
 
 
@@ -96,6 +96,8 @@ def _tensors(weights: ModelWeights, config: ModelConfig) -> dict[str, torch.Tens
 
     if weights.lm_head is not weights.embed:
         add("lm_head", weights.lm_head)
+    if weights.lm_head_exact is not None and weights.lm_head_exact is not weights.embed:
+        out["lm_head_exact"] = weights.lm_head_exact
     for i, layer in enumerate(weights.layers):
         for name in LAYER_FIELDS:
             add(f"layers.{i}.{name}", getattr(layer, name))
@@ -113,8 +115,9 @@ def _weights(tensors: dict[str, torch.Tensor], config: ModelConfig, mode: Weight
               for i in range(config.num_layers)]
     embed = tensors["embed"]
     lm_head = get("lm_head", "int8")  # convert_weights quantizes the LM head to int8 in every quantized mode
+    exact = tensors.get("lm_head_exact", embed) if mode.quantization else None
     return ModelWeights(embed=embed, layers=layers, final_norm=tensors["final_norm"],
-                        lm_head=embed if lm_head is None else lm_head)
+                        lm_head=embed if lm_head is None else lm_head, lm_head_exact=exact)
 
 
 def _config(fields: dict) -> ModelConfig:

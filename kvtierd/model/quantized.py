@@ -51,15 +51,43 @@ def quantize(w: torch.Tensor, kind: str, compute_dtype: torch.dtype) -> Quantize
         out_features, in_features = w.shape
         assert in_features % INT4_GROUP == 0, "int4 needs the input size to be a multiple of the group"
         groups = w.view(out_features, in_features // INT4_GROUP, INT4_GROUP)
-        low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-        # Asymmetric, like Q4_1: value = scale * code + low with code in 0..15. torch's kernel computes
-        # scale * (code - 8) + offset, so offset = low + 8 * scale. A Q4_1 group, whose codes span 0..15,
-        # comes back with its own scale, low and codes.
-        scale = ((high - low) / 15).clamp_min(1e-12).to(compute_dtype).float()
-        offset = (low + 8 * scale).to(compute_dtype).float()
-        codes = torch.round((groups - offset[..., None]) / scale[..., None] + 8).clamp(0, 15)
+        scale, offset, codes = _int4_params(groups, compute_dtype)
         dense = ((codes - 8) * scale[..., None] + offset[..., None]).view(out_features, in_features)
         packed = torch._convert_weight_to_int4pack_for_cpu(codes.view(out_features, in_features).to(torch.int32), 1)
         scales = torch.stack([scale.t(), offset.t()], dim=-1).to(compute_dtype).contiguous()
         return QuantizedLinear(kind, packed, scales, dense.to(compute_dtype))
     raise ValueError(f"unknown quantization {kind!r}")
+
+
+def _int4_params(groups: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group's scale and offset, as values of `dtype` (float32 tensors), and its codes 0..15.
+
+    Asymmetric, like Q4_1: value = scale * code + low, code in 0..15. torch's kernel computes
+    scale * (code - 8) + offset, so offset = low + 8 * scale. Both are held in `dtype`: rounding them
+    to bfloat16 alone would triple the matrix's error (a Q4_1 group's values would not come back),
+    so of the representable values either side of each, the pair that reconstructs the group best is
+    kept (measured on SmolLM2: relative error 0.42% -> 0.19%, bfloat16's own rounding being 0.13%)."""
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / 15).clamp_min(1e-12)
+    best: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    for s in _representable_around(scale, dtype):
+        for o in _representable_around(low + 8 * scale, dtype):
+            codes = torch.round((groups - o[..., None]) / s[..., None] + 8).clamp(0, 15)
+            err = ((codes - 8) * s[..., None] + o[..., None] - groups).square().sum(dim=-1)
+            if best is None:
+                best = (err, s, o, codes)
+                continue
+            better = err < best[0]
+            best = (torch.where(better, err, best[0]), torch.where(better, s, best[1]),
+                    torch.where(better, o, best[2]), torch.where(better[..., None], codes, best[3]))
+    assert best is not None
+    return best[1], best[2], best[3]
+
+
+def _representable_around(x: torch.Tensor, dtype: torch.dtype) -> list[torch.Tensor]:
+    """The nearest value of `dtype` to each of `x`, then its neighbours below and above, as float32 (the
+    nearest first: a tie keeps it)."""
+    nearest = x.to(dtype)
+    below = torch.nextafter(nearest, torch.full_like(nearest, float("-inf")))
+    above = torch.nextafter(nearest, torch.full_like(nearest, float("inf")))
+    return [nearest.float(), below.float(), above.float()]

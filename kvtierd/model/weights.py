@@ -8,7 +8,7 @@ In a quantized mode (weight_modes.py) each matrix is a `QuantizedLinear` instead
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -34,6 +34,25 @@ class ModelWeights:
     layers: list[LayerWeights]
     final_norm: torch.Tensor  # [hidden]
     lm_head: Matrix  # [vocab, hidden]; the same tensor as embed when tied (dense modes)
+    # Quantized modes: the float32 LM head the top logits are recomputed from (llama.py); embed when tied.
+    lm_head_exact: torch.Tensor | None = None
+
+    def named_tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor by name, a quantized matrix's parts apart (a tied head under both names)."""
+        out: dict[str, torch.Tensor] = {}
+
+        def add(name: str, t: Matrix | None) -> None:
+            if isinstance(t, QuantizedLinear):
+                out.update({f"{name}.packed": t.packed, f"{name}.scales": t.scales, f"{name}.dense": t.dense})
+            elif t is not None:
+                out[name] = t
+
+        for name in ("embed", "final_norm", "lm_head", "lm_head_exact"):
+            add(name, getattr(self, name))
+        for i, layer in enumerate(self.layers):
+            for f in fields(LayerWeights):
+                add(f"layers.{i}.{f.name}", getattr(layer, f.name))
+        return out
 
     def num_bytes_per_token(self) -> int:
         """Bytes a batch-1 decode step reads: every matrix once, one embedding row."""

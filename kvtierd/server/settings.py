@@ -205,7 +205,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("model", "model", "path", None, parse_optional_str, "a .gguf file or a Hugging Face directory (default: bundled SmolLM2-135M-Instruct)"),
     Setting("device", "model", "device", "auto", parse_device, "auto, cpu, cuda or cuda:N"),
     Setting("dtype", "model", "dtype", "auto", one_of("auto", *WEIGHT_MODES),
-            "weights: auto (float32 on CPU, bfloat16 or float16 on CUDA), float32 (exact), bfloat16, float16, int8 "
+            "weights: auto (int4 on CPU, bfloat16 or float16 on CUDA), float32 (exact), bfloat16, float16, int8 "
             "or int4 (weight-only, CPU)"),
     Setting("model_cache_dir", "model", "cache_dir", None, parse_optional_str,
             "where a GGUF model's conversion is kept for fast restarts (default: <state_dir>/model-cache; off: none)"),
