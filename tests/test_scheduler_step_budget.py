@@ -239,3 +239,23 @@ def test_the_cost_model_keeps_its_coefficients_non_negative():
         model.observe(StepShape(0, n), 0.05 - 0.001 * n)
     fit = model.current
     assert min(fit.overhead_s, fit.prefill_token_s, fit.decode_token_s, fit.context_token_s) >= 0
+
+
+def test_the_cost_model_learns_the_jump_of_a_quantized_mode_s_large_steps():
+    """Past 4 tokens a quantized mode's step runs the dense matrices: a jump the fit learns, and a chunk that
+    would cross it is charged for it (or kept small enough to stay below)."""
+    truth = StepCost(overhead_s=0.030, prefill_token_s=0.0008, decode_token_s=0.005, large_step_s=0.035,
+                     small_step_max_tokens=4)
+    model = StepCostModel(small_step_max_tokens=4)
+    shapes = [StepShape(p, d, p + d * 100) for p in (0, 1, 2, 3, 8, 16, 64, 512) for d in (0, 1, 2, 8) if p or d]
+    for _ in range(5):
+        for s in shapes:
+            model.observe(s, truth.seconds(s))
+    fit = model.current
+    assert fit.large_step_s == pytest.approx(0.035, rel=0.02) and fit.overhead_s == pytest.approx(0.030, rel=0.02)
+    decode = StepShape(0, 1, 100)
+    # 60 ms: one decode (35 ms) leaves no room for the jump, so the chunk stays within the small step's 3 tokens.
+    assert fit.prefill_tokens_within(decode, 0.060) == 3
+    # 100 ms: the jump (35 ms) and then (100 - 35 - 35) / 0.8 ms = 37 tokens.
+    assert abs(fit.prefill_tokens_within(decode, 0.100) - 37) <= 1
+    assert StepCostModel().current.large_step_s == 0  # a dense mode: no such jump

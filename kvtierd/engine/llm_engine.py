@@ -96,7 +96,11 @@ class LLMEngine:
                                  public_root=self._root(PUBLIC_NAMESPACE), tiers=self.tiers,
                                  reserve=reserved_region(config.qos, num_blocks),
                                  pin_budget_pages=int(config.qos.pin_share * num_blocks))
-        self.step_cost = StepCostModel()  # what a step costs, as measured: the scheduler's time-bounded steps
+        # What a step costs, as measured: the scheduler's time-bounded steps. A quantized mode's steps past
+        # a few tokens run the dense matrices (model/llama.py): a cost of their own.
+        model = loaded.model
+        self.step_cost = StepCostModel(
+            small_step_max_tokens=model.quantized_max_tokens if model.mode.quantization else None)
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_prefix_caching, config.qos, self.step_cost)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
