@@ -16,6 +16,7 @@ are kept non-negative.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 NUM_TERMS = 3  # overhead, prefill tokens, decodes
@@ -42,6 +43,11 @@ class StepCost:
     def seconds(self, shape: StepShape) -> float:
         return self.overhead_s + self.prefill_token_s * shape.num_prefill_tokens + \
             self.decode_token_s * shape.num_decodes
+
+    def prefill_seconds(self, tokens: int, step_tokens: int) -> float:
+        """A prompt of `tokens` computed alone in steps of at most `step_tokens`: what recomputing it costs,
+        against which the restore planner weighs loading its KV."""
+        return math.ceil(tokens / step_tokens) * self.overhead_s + tokens * self.prefill_token_s
 
     def prefill_tokens_within(self, shape: StepShape, limit_s: float) -> int:
         """How many more prefill tokens a step of `shape` can take and still cost at most `limit_s`."""
