@@ -675,6 +675,15 @@ def bench_tiers(
         + [[row.source, ms(row.ttft_ms), "-" if row.speedup is None else f"{row.speedup:.2f}", row.loaded_tokens,
             row.computed_tokens, "-" if row.skipped else yes(row.same_first_token)] for row in r.rows],
     )
+    ttft = {row.source: row.ttft_ms for row in r.rows}
+    if ttft.get("device") is not None:
+        from kvtierd.bench.tiers_bench import DISK_TARGET_READS, HOST_TARGET_X
+
+        host_max, disk_max = HOST_TARGET_X * ttft["device"], ttft["device"] + DISK_TARGET_READS * r.raw_read_ms
+        typer.echo(f"targets: host <= {HOST_TARGET_X}x the device hit = {host_max:,.1f} ms "
+                   f"({'met' if ttft['host'] <= host_max else 'NOT met'}); disk cold <= the device hit + "
+                   f"{DISK_TARGET_READS}x a plain file's cold read of the {r.kv_bytes / 1e6:.1f} MB "
+                   f"({r.raw_read_ms:,.1f} ms) = {disk_max:,.1f} ms ({'met' if ttft['disk cold'] <= disk_max else 'NOT met'})")
     skipped = "; ".join(f"{row.source}: skipped ({row.skipped})" for row in r.rows if row.skipped)
     typer.echo("disk warm: data.mdb in the OS page cache, as written; disk cold: its pages dropped "
                "(POSIX_FADV_DONTNEED) before each turn's engine opens it; remote: a redis-server on loopback "
