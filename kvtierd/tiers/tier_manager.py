@@ -278,6 +278,8 @@ class TierManager:
         except CorruptValueError as e:
             return e.check
         if frame.codec == HOST_CODEC:  # viewed as bytes: a disk value's payload need not be aligned
+            if len(frame.encoded) != identity.payload_nbytes:
+                return "payload size"
             payload = value[frame.payload_offset : frame.payload_offset + identity.payload_nbytes]
             checksum = self._pages.scatter(payload.view(self._pages.byte_shape(identity.num_pages)), skip,
                                            block_ids, frame.encoded)
