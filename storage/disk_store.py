@@ -47,10 +47,12 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import lmdb
 
 from kvtierd.storage.chunk_store import StoreStats
+from kvtierd.storage.map_reader import MapReader
 from kvtierd.storage.store_errors import StoreUnavailableError
 
 # Kept free: map_size // SLACK_RATIO, between MIN_SLACK_PAGES (each write copies a few tree
@@ -58,6 +60,7 @@ from kvtierd.storage.store_errors import StoreUnavailableError
 SLACK_RATIO = 16
 MIN_SLACK_PAGES = 64
 MAX_SLACK = 256 << 20
+T = TypeVar("T")
 ENTRY_OVERHEAD = 64  # a leaf node's header and key, plus the order record, per value (roughly)
 MAX_QUARANTINED = 16  # the newest bad values kept for inspection; older ones are dropped
 MAX_WRITE_ATTEMPTS = 4
@@ -136,6 +139,7 @@ class DiskStore:
         self._failure: str | None = None
         self._num_puts = self._num_gets = self._num_hits = 0
         self._num_evictions = self._num_rejected = self._num_corrupt = 0
+        self._reader = MapReader(self.path / "data.mdb")
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         self._check_keys(keys)
@@ -147,12 +151,28 @@ class DiskStore:
             return len(keys)
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytearray | None]:
-        """The values, copied out of the map inside the read transaction into writable buffers (a load
-        decodes or copies straight from them into the device)."""
+        """The values, read out inside the read transaction into writable buffers of their own."""
         self._check_keys(keys)
         # buffers=True: views of the map, valid until the transaction ends; each is copied once, here.
         with self._guard(), self._env.begin(buffers=True) as txn:
-            values = [None if (view := txn.get(key, db=self._values)) is None else bytearray(view) for key in keys]
+            values = [None if (view := txn.get(key, db=self._values)) is None else self._reader.copy(view)
+                      for key in keys]
+        self._touch(keys, values)
+        return values
+
+    def read(self, key: bytes, use: Callable[[memoryview], T]) -> T | None:
+        """`use(value)` with the value in this thread's scratch buffer (writable, reused: a load decodes or
+        copies straight from it into the device, with no buffer allocated per value); do not keep the
+        buffer. None on a miss."""
+        self._check_keys([key])
+        with self._guard(), self._env.begin(buffers=True) as txn:
+            view = txn.get(key, db=self._values)
+            value = None if view is None else self._reader.into_scratch(view)
+        self._touch([key], [value])
+        return None if value is None else use(value)
+
+    def _touch(self, keys: Sequence[bytes], values: Sequence[object | None]) -> None:
+        """Counts a read, and moves the values found to the LRU's recent end."""
         with self._lock:
             self._num_gets += len(keys)
             for key, value in zip(keys, values, strict=True):
@@ -163,7 +183,6 @@ class DiskStore:
                     entry.seq = self._next_seq
                     self._next_seq += 1
                     self._touched.add(key)
-        return values
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]], cataloged: bool = False) -> bool:
         """With `cataloged`, the keys are also marked as named by the SQL catalog (see `cataloged_keys`)."""
@@ -285,6 +304,7 @@ class DiskStore:
                     self._write(lambda txn: None)
         self._failure = "closed"
         self._env.close()
+        self._reader.close()
 
     # -- room ---------------------------------------------------------------------------------
 

@@ -8,8 +8,11 @@ run as DMA, and the budget is RAM the kernel can never swap out. Without CUDA it
 is ordinary pageable memory (`pinned` is False in the stats).
 
 When every slot is taken, a put reuses the least recently used slot that is not
-pinned (`pin`: a pinned value stays until unpinned or deleted). Copies run
-under the store's lock, so a slot is never rewritten while another thread reads it.
+pinned (`pin`: a pinned value stays until unpinned or deleted) and not being
+read. Writes copy under the store's lock; `read` hands its slot to the caller
+outside the lock, so loads of different chunks copy side by side, and a slot
+being read is never rewritten: a put or delete of its key meanwhile takes
+another slot, and the old one is freed when its last reader is done.
 
 Besides the ChunkStore calls (bytes in, bytes out), `write` and `read` hand the
 caller a view of the slot itself, so the tier manager copies KV between device
@@ -21,7 +24,7 @@ what follows can then be viewed as any dtype.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -59,6 +62,8 @@ class HostStore:
         self._index: OrderedDict[bytes, _Slot] = OrderedDict()  # least recently used first
         self._free = list(range(self.num_slots))
         self._pinned: set[bytes] = set()  # keys the LRU must pass over
+        self._readers: Counter[int] = Counter()  # slot index -> `read` calls copying from it now
+        self._retired: dict[int, _Slot] = {}  # slots dropped while being read: freed when the readers are done
         self._lock = threading.Lock()
         self._closed = False
         self._used = 0
@@ -89,7 +94,8 @@ class HostStore:
                 self._num_rejected += 1
                 return False
             # Keys being rewritten keep their slots, and are out of the LRU while the others take theirs.
-            reused = {key: self._index.pop(key) for key in batch if key in self._index}
+            reused = {key: slot for key in batch if (slot := self._index.pop(key, None)) is not None
+                      and not self._retire_if_read(slot)}
             for key, value in batch.items():
                 slot = reused.get(key) or self._take_slot()
                 self._used += len(value) - slot.nbytes
@@ -107,7 +113,7 @@ class HostStore:
                 slot = self._index.pop(key, None)
                 self._pinned.discard(key)
                 if slot is not None:
-                    self._release(slot)
+                    self._retire(slot)
                     deleted += 1
             return deleted
 
@@ -119,7 +125,9 @@ class HostStore:
         self._check_size(nbytes + ALIGN - 1)
         with self._lock:
             self._check_open()
-            slot = self._index.pop(key, None) or self._take_slot()
+            slot = self._index.pop(key, None)
+            if slot is None or self._retire_if_read(slot):
+                slot = self._take_slot()
             offset = (-(self._slab.data_ptr() + slot.index * self.slot_bytes + align_at)) % ALIGN
             self._used -= slot.nbytes
             slot.nbytes, slot.offset = 0, offset
@@ -134,14 +142,24 @@ class HostStore:
             self._num_puts += 1
 
     def read(self, key: bytes, use: Callable[[torch.Tensor], T]) -> T | None:
-        """`use(value)` with the value as a flat uint8 view of its slot, under the store's lock (the slot is
+        """`use(value)` with the value as a flat uint8 view of its slot, outside the store's lock (the slot is
         not rewritten meanwhile; do not keep the view). None on a miss."""
         with self._lock:
             self._check_open()
             slot = self._use(key)
             if slot is None:
                 return None
-            return use(self._slab[slot.index, slot.offset : slot.offset + slot.nbytes])
+            self._readers[slot.index] += 1
+            value = self._slab[slot.index, slot.offset : slot.offset + slot.nbytes]
+        try:
+            return use(value)
+        finally:
+            with self._lock:
+                self._readers[slot.index] -= 1
+                if not self._readers[slot.index]:
+                    del self._readers[slot.index]
+                    if (retired := self._retired.pop(slot.index, None)) is not None:
+                        self._release(retired)
 
     def pin(self, keys: Sequence[bytes]) -> int:
         """Keeps these values until unpinned or deleted; returns how many were there to pin."""
@@ -192,11 +210,24 @@ class HostStore:
         """A free slot, or the least recently used one (its value is evicted). Caller holds the lock."""
         if self._free:
             return _Slot(self._free.pop(), 0)
-        victim = next((key for key in self._index if key not in self._pinned), None)
+        victim = next((key for key, slot in self._index.items()
+                       if key not in self._pinned and slot.index not in self._readers), None)
         if victim is None:  # the pin budget (a share of the slots) keeps this from happening
-            raise StoreUnavailableError("every host slot is pinned")
+            raise StoreUnavailableError("every host slot is pinned or being read")
         self._num_evictions += 1
         return self._index.pop(victim)
+
+    def _retire(self, slot: _Slot) -> None:
+        """Frees a slot whose key is gone, or once its readers are done."""
+        if not self._retire_if_read(slot):
+            self._release(slot)
+
+    def _retire_if_read(self, slot: _Slot) -> bool:
+        """Sets a slot being read aside, to be freed by its last reader; whether it was being read."""
+        if slot.index in self._readers:
+            self._retired[slot.index] = slot
+            return True
+        return False
 
     def _release(self, slot: _Slot) -> None:
         self._used -= slot.nbytes

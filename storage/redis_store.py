@@ -124,7 +124,9 @@ class RedisStore:
             return 0
         return next((n for n, there in enumerate(found) if not there), len(names))
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
+    def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        """The frames, each a read-only view into the value redis-py read (one copy off the socket, none
+        after)."""
         names = self._names(keys)
         if not names:
             return []

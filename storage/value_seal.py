@@ -40,14 +40,15 @@ class ValueSeal:
     def seal(self, key: bytes, frame: Buffer) -> bytes:
         return self._tag(key, frame) + frame
 
-    def unseal(self, key: bytes, sealed: bytes) -> bytes | None:
-        """The frame, or None if the tag does not match (forged, altered, moved, or another secret's)."""
+    def unseal(self, key: bytes, sealed: bytes) -> memoryview | None:
+        """The frame, a read-only view into `sealed` (not a copy: values are megabytes), or None if the tag
+        does not match (forged, altered, moved, or another secret's)."""
         if len(sealed) < TAG_BYTES:
             return None
         frame = memoryview(sealed)[TAG_BYTES:]
         if not hmac.compare_digest(sealed[:TAG_BYTES], self._tag(key, frame)):
             return None
-        return frame.tobytes()
+        return frame
 
     def _tag(self, key: bytes, frame: Buffer) -> bytes:
         mac = hmac.new(self._secret, _KEY_LENGTH.pack(len(key)), hashlib.sha256)

@@ -32,14 +32,16 @@ def figures(loaded, tmp_path_factory) -> TiersFigures:
 def test_a_next_turn_starts_from_each_tiers_kv_and_gives_the_recomputed_token(figures):
     r = figures.restore
     assert r.prompt_tokens == 150 and r.stored_tokens == 144 and r.chunks == 3 and r.recompute_ms > 0
-    assert r.next_turn_tokens > r.prompt_tokens
-    assert [row.source for row in r.rows] == ["host", "disk warm", "disk cold", "remote"]
+    assert r.next_turn_tokens > r.prompt_tokens and r.raw_read_ms > 0
+    assert [row.source for row in r.rows] == ["device", "host", "disk warm", "disk cold", "remote"]
     for row in r.rows:
         if row.source == "remote" and shutil.which("redis-server") is None:
             assert row.skipped and row.ttft_ms is None
             continue
         assert not row.skipped and row.same_first_token
-        assert row.loaded_tokens == 144 and row.computed_tokens == r.next_turn_tokens - 144
+        # The whole chunks come from the tier; the one-page tail chunk may be recomputed instead, when the
+        # restore planner finds 16 more tokens in the step cheaper than a load (a slow remote on a busy host).
+        assert row.loaded_tokens in (128, 144) and row.computed_tokens <= r.next_turn_tokens - 128
         assert row.ttft_ms > 0 and row.speedup == pytest.approx(r.recompute_ms / row.ttft_ms)
 
 

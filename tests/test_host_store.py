@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -193,3 +194,26 @@ def test_a_slab_of_pinned_values_refuses_a_write() -> None:
     with pytest.raises(StoreUnavailableError, match="pinned"):
         store.write(key(2), 1, lambda view: None)
     assert store.get_many([key(0), key(1)]) == [value(0), value(1)]
+
+
+def test_a_slot_being_read_is_never_rewritten_and_is_freed_by_its_last_reader() -> None:
+    store = make_store(2)
+    store.put_many([(key(0), value(0)), (key(1), value(1))])
+    reading, release = threading.Event(), threading.Event()
+
+    def slow_copy(view: torch.Tensor) -> bytes:
+        reading.set()
+        release.wait()
+        return view.numpy().tobytes()  # the bytes as they are now, after the writes below
+
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(store.read, key(0), slow_copy)
+        reading.wait()
+        other = store.read(key(1), lambda view: view.numpy().tobytes())  # not blocked by the held read
+        store.put_many([(key(0), value(7))])  # its key rewritten: into another slot, key(1)'s (the LRU one)
+        store.put_many([(key(2), value(2))])  # evicts key(0)'s new slot: the one being read is passed over
+        release.set()
+        assert held.result() == value(0) and other == value(1)
+    assert store.get_many([key(0), key(1), key(2)]) == [None, None, value(2)]
+    store.put_many([(key(3), value(3))])  # the read slot, freed by its reader: nothing evicted for it
+    assert store.get_many([key(2), key(3)]) == [value(2), value(3)] and store.stats().num_entries == 2

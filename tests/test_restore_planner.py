@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from kvtierd.tiers.restore_planner import ChunkCost, RestorePlanner
+from kvtierd.engine.step_cost import StepCostModel, StepShape
+from kvtierd.tiers.restore_planner import ChunkCost, LoadCost, RestorePlanner
 
 MB = 1 << 20
 
@@ -16,7 +19,7 @@ def planner(host_bps: float | None = None, remote_bps: float | None = None, pref
     if remote_bps:
         p.observe_load("remote", int(remote_bps), 1.0)
     if prefill_tps:
-        p.observe_prefill(int(prefill_tps), 1.0)
+        p.recompute_cost = lambda tokens: tokens / prefill_tps
     return p
 
 
@@ -60,21 +63,67 @@ def test_nothing_found_is_not_a_decision() -> None:
     assert p.plan([]).decision == "none" and not p.decisions
 
 
-def test_rates_are_moving_averages_and_short_timings_are_pooled() -> None:
+def test_a_tier_costs_a_latency_plus_its_bytes_once_loads_of_two_sizes_are_seen() -> None:
     p = RestorePlanner()
-    p.observe_load("disk", 100, 1.0)
-    p.observe_load("disk", 200, 1.0)
-    assert p.rates()[0]["disk"] == pytest.approx(120)  # 100 + 0.2 * (200 - 100)
-    p.observe_load("disk", 10**3, 2e-5)  # too short to count alone: held back
-    p.observe_prefill(0, 1.0)  # nothing computed: no rate
-    assert p.rates() == ({"disk": pytest.approx(120)}, None)
-    p.observe_load("disk", 4 * 10**3, 8e-5)  # with the one held back: 5,000 bytes in 0.1 ms
-    assert p.rates()[0]["disk"] == pytest.approx(120 + 0.2 * (5e7 - 120))
+    p.observe_load("disk", 10 * MB, 0.1)
+    assert p.load_costs()["disk"].seconds(20 * MB) == pytest.approx(0.2)  # one size: a rate
+    p.observe_load("disk", MB, 0.019)  # 10 ms + 9 ms per MB
+    cost = p.load_costs()["disk"]
+    assert cost.latency_s == pytest.approx(0.01) and cost.byte_s * MB == pytest.approx(0.009)
+    p.observe_load("remote", 0, 1.0)  # nothing loaded: nothing learned
+    assert p.load_costs().keys() == {"disk"}
+    assert p.rates() == ({"disk": pytest.approx(MB / 0.009)}, None)  # no recompute cost given
 
 
-def test_the_first_timing_sets_a_rate_however_short() -> None:
-    """A fast host loads a small chunk in microseconds: the rate is known after one load all the same."""
+def test_a_fixed_cost_is_not_mistaken_for_a_slow_tier() -> None:
+    """Loads whose size changes nothing (noise around a round trip): a latency, not a negative bandwidth."""
     p = RestorePlanner()
-    p.observe_load("host", 10**6, 1e-6)
-    p.observe_prefill(16, 1e-6)
-    assert p.rates() == ({"host": pytest.approx(1e12)}, pytest.approx(1.6e7))
+    p.observe_load("remote", MB, 0.012)
+    p.observe_load("remote", 10 * MB, 0.010)
+    assert p.load_costs()["remote"] == LoadCost(pytest.approx(0.011, rel=0.01), 0.0)
+
+
+def test_estimates_are_within_2x_of_what_a_realistic_mix_costs() -> None:
+    """The engine's step-cost fit and the planner's load fits, fed a day's mix (small and large prefills
+    with decodes riding along, loads of one page and of whole chunks from each tier), estimate a session's
+    2,416-token turn and loads of several sizes within 2x of their true costs. No clocks: the costs are
+    synthetic, from a model of the machine with attention growing with the context."""
+    rng = random.Random(7)
+    overhead, per_token, per_decode, per_context = 0.07, 1.2e-3, 1.5e-3, 2e-7
+
+    def step_s(prefill: int, context: int, decodes: int) -> float:  # what the machine takes
+        return overhead + prefill * (per_token + per_context * (context + prefill / 2)) + decodes * per_decode
+
+    bandwidth = {"host": (2e-4, 4e9), "disk": (2e-3, 1.5e9), "remote": (1e-3, 0.4e9)}  # latency, bytes/s
+
+    def load_s(tier: str, nbytes: int) -> float:
+        latency, bps = bandwidth[tier]
+        return latency + nbytes / bps
+
+    costs, planner = StepCostModel(), RestorePlanner()
+    step_tokens = 2048
+    planner.recompute_cost = lambda tokens: costs.current.prefill_seconds(tokens, step_tokens)
+    for _ in range(300):
+        decodes = rng.randint(0, 6)
+        prefill, context = rng.choice([(0, 0), (0, 0), (16, 0), (40, 300), (200, 0), (900, 0), (2048, 1500)])
+        noise = rng.uniform(0.85, 1.15)
+        costs.observe(StepShape(prefill, decodes), step_s(prefill, context, decodes) * noise)
+        tier = rng.choice(list(bandwidth))
+        nbytes = rng.choice([1, 3, 16]) * 737_280  # a page is 737 KB: 1 or 3 of a chunk's tail, or 16
+        planner.observe_load(tier, nbytes, load_s(tier, nbytes) * rng.uniform(0.85, 1.15))
+
+    def within_2x(estimate: float, true: float) -> bool:
+        return true / 2 <= estimate <= true * 2
+
+    turn = 2416  # computed alone, in steps of at most step_tokens
+    true_turn = sum(step_s(min(step_tokens, turn - done), done, 0) for done in range(0, turn, step_tokens))
+    assert within_2x(planner.recompute_s(turn), true_turn)
+    assert within_2x(planner.recompute_s(64), step_s(64, 0, 0))
+    for tier in bandwidth:
+        for pages in (1, 16, 151):  # a tail, a chunk, a whole 2,416-token turn's pages
+            nbytes = pages * 737_280
+            assert within_2x(planner.load_costs()[tier].seconds(nbytes), load_s(tier, nbytes)), (tier, pages)
+    plan = planner.plan([ChunkCost("disk", 16 * 737_280, 256)] * 9 + [ChunkCost("disk", 7 * 737_280, 112)])
+    assert plan.decision == "load"
+    assert within_2x(plan.load_s, 9 * load_s("disk", 16 * 737_280) + load_s("disk", 7 * 737_280))
+    assert within_2x(plan.recompute_s, sum(step_s(min(step_tokens, 2416 - d), d, 0) for d in range(0, 2416, 2048)))

@@ -135,7 +135,7 @@ def test_recomputing_is_chosen_when_it_is_cheaper_than_loading(loaded, make_engi
     push_out(engine, tok, prompt)
     planner = engine.tiers.planner
     assert planner.rates()[0]["host"] > 0 and planner.rates()[1] > 0
-    planner.observe_prefill(10**12, 1.0)  # as if prefill were nearly free (a fast GPU)
+    planner.recompute_cost = lambda tokens: tokens * 1e-12  # as if prefill were nearly free (a fast GPU)
     warm = run_one(engine, prompt)
     assert warm[0].restore.decision == "recompute" and warm[0].restore.num_found >= 2
     assert warm[0].restore.recompute_s < warm[0].restore.load_s

@@ -36,8 +36,7 @@ class HeldWorkers:
 def slow_prefill(engine) -> None:
     """Makes the planner estimate recomputing at about a token a second: a load's deadline is minutes away,
     so a held load is waited for whatever this machine's speed."""
-    for _ in range(80):
-        engine.tiers.planner.observe_prefill(1, 1.0)
+    engine.tiers.planner.recompute_cost = float
 
 
 def run_rest(engine, rid: str) -> list:
@@ -135,7 +134,7 @@ def test_a_load_past_its_deadline_turns_into_a_recompute_with_the_same_output(lo
     planner = engine.tiers.planner
     # Loading still wins the plan, but recomputing is estimated at nanoseconds: the deadline passes at once.
     planner.observe_load("host", 10**15, 1.0)
-    planner.observe_prefill(10**9, 1.0)
+    planner.recompute_cost = lambda tokens: tokens * 1e-9
     held = HeldWorkers(engine)
     rid = engine.add_request(prompt, PARAMS)
     engine.step()  # it starts loading; the loads stay queued behind the held workers

@@ -10,8 +10,8 @@ hit on host B below its device came from the remote tier.
   everything (prefix caching off). TTFT, and B's tokens by tier.
 - Multi-turn: a session's turns on A, its next turn on B, vs recomputing it.
 - Bandwidth: loading the stored chunks through the store (GETEX, HMAC, frame
-  checks) beside plain GETs of values of the same size from the same server,
-  and SETs, in the same run.
+  checks, decode, one copy out) beside plain pipelined GETs of values of the
+  same sizes from the same server, and SETs, in alternating rounds of one run.
 
 TTFT is engine time (from `add_request` to the first token), medians of the
 repeats; the machine is noisy: quote ratios.
@@ -19,6 +19,7 @@ repeats; the machine is noisy: quote ratios.
 
 from __future__ import annotations
 
+import functools
 import secrets
 import shutil
 import socket
@@ -27,15 +28,19 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
+import numpy as np
 import redis
 
 from kvtierd.bench.reuse_bench import document, questions, run_request, warm_up
 from kvtierd.engine.config import EngineConfig
 from kvtierd.engine.llm_engine import LLMEngine
 from kvtierd.model.loader import LoadedModel
+from kvtierd.storage.kv_frame import claimed_identity, decode_frame, encode_frame
 from kvtierd.tiers.config import RemoteConfig, TierConfig
+from kvtierd.tiers.transfer import TRANSFER_WORKERS
 
 REDIS_SERVER = "redis-server"
 
@@ -132,16 +137,27 @@ def _run(loaded: LoadedModel, url: str, doc_tokens: int, repeats: int, turns: in
             "session": session, "bandwidth": bandwidth}
 
 
-def _bandwidth(engine: LLMEngine, url: str, rounds: int = 3) -> dict:
-    """Loads of every chunk the store holds for the bench's fleet, beside raw GETs/SETs of equal size."""
+def _bandwidth(engine: LLMEngine, url: str, rounds: int = 5) -> dict:
+    """Every chunk the store holds for the bench's fleet, read back in alternating rounds: raw pipelined GETs
+    of values of the same sizes (what the server and the socket give), the store's pipelined get_many
+    (GETEX and HMAC), and whole loads as the engine's transfer workers run them (a chunk's get, HMAC, frame
+    checks and decode, then one copy into a destination buffer; TRANSFER_WORKERS chunks at a time), of the
+    chunks as stored (the tier's codec) and of the same chunks stored raw. GB/s are of KV payload, the
+    decoded bytes a load delivers, so the rows compare; medians of the rounds."""
     store = engine.tiers.remote
     raw = redis.Redis.from_url(url)
-    names = list(raw.scan_iter(match=f"{store.key_prefix}*".encode()))
-    names = [n for n in names if not n.endswith(b"epoch")]
+    names = [n for n in raw.scan_iter(match=f"{store.key_prefix}*".encode()) if not n.endswith(b"epoch")]
     keys = [bytes.fromhex(n[len(store.key_prefix):].decode()) for n in names]
     sizes = [raw.strlen(n) for n in names]
-    total = sum(sizes)
-    store_s = min(_timed(lambda: store.get_many(keys)) for _ in range(rounds))
+    frames = store.get_many(keys)
+    identities = [claimed_identity(f, engine.geometry) for f in frames]
+    codec = {decode_frame(f, i).codec for f, i in zip(frames, identities)}
+    raw_keys = [k + b"/raw" for k in keys]  # the same chunks under keys of their own, stored raw
+    store.put_many([(k, encode_frame(i, decode_frame(f, i).payload, codec="raw"))
+                    for k, f, i in zip(raw_keys, frames, identities)])
+    del frames
+    payload = sum(i.payload_nbytes for i in identities)
+    outs = [np.empty(i.payload_nbytes, np.uint8) for i in identities]
     blobs = [secrets.token_bytes(n) for n in sizes]
     tmp = [f"kvtierd-bench-raw:{i}".encode() for i in range(len(blobs))]
 
@@ -157,13 +173,27 @@ def _bandwidth(engine: LLMEngine, url: str, rounds: int = 3) -> dict:
             pipe.get(k)
         pipe.execute()
 
-    set_s = min(_timed(raw_set) for _ in range(rounds))
-    get_s = min(_timed(raw_get) for _ in range(rounds))
+    def load(chunk_keys: list[bytes], i: int) -> None:
+        [frame] = store.get_many([chunk_keys[i]])
+        np.copyto(outs[i], np.frombuffer(decode_frame(frame, identities[i]).payload, np.uint8))
+
+    with ThreadPoolExecutor(TRANSFER_WORKERS) as workers:
+        runs = {"raw_set": raw_set, "raw_get": raw_get, "store_get": lambda: store.get_many(keys),
+                "store_load": lambda: list(workers.map(functools.partial(load, keys), range(len(keys)))),
+                "store_load_raw": lambda: list(workers.map(functools.partial(load, raw_keys), range(len(keys))))}
+        times: dict[str, list[float]] = {name: [] for name in runs}
+        for _ in range(rounds):
+            for name, fn in runs.items():
+                times[name].append(_timed(fn))
     raw.delete(*tmp)
     raw.close()
-    return {"chunks": len(keys), "bytes": total, "store_get_GB_s": total / store_s / 1e9,
-            "raw_get_GB_s": total / get_s / 1e9, "raw_set_GB_s": total / set_s / 1e9,
-            "store_share_of_raw_get": get_s / store_s}
+    store.delete_many(raw_keys)
+    gbs = {name: payload / statistics.median(t) / 1e9 for name, t in times.items()}
+    return {"chunks": len(keys), "codec": "/".join(sorted(codec)), "payload_bytes": payload,
+            "stored_bytes": sum(sizes), "rounds": rounds, "workers": TRANSFER_WORKERS,
+            "store_load_GB_s": gbs["store_load"], "store_load_raw_codec_GB_s": gbs["store_load_raw"],
+            "store_get_GB_s": gbs["store_get"], "raw_get_GB_s": gbs["raw_get"], "raw_set_GB_s": gbs["raw_set"],
+            "store_load_share_of_raw_get": gbs["store_load"] / gbs["raw_get"]}
 
 
 def _timed(fn) -> float:

@@ -71,7 +71,11 @@ from kvtierd.tiers.chunk_writer import ChunkWriter
 from kvtierd.tiers.config import RemoteConfig, TierConfig, resolve_codec
 from kvtierd.tiers.tier_manager import TierManager
 
-RESTORE_SOURCES = ("host", "disk warm", "disk cold", "remote")
+RESTORE_SOURCES = ("device", "host", "disk warm", "disk cold", "remote")
+# The issue's targets for the next turn: host <= 1.3x a device hit; disk cold <= a device hit + 1.5x a plain
+# file's cold read of the same bytes.
+HOST_TARGET_X = 1.3
+DISK_TARGET_READS = 1.5
 NEXT_QUESTION = "\n\nQuestion: which component evicts pages first, and when?"
 TARGET_SHARE_OF_RAW = 0.5  # the disk tier's bandwidth at least this share of the raw disk's
 GB = 1e9
@@ -111,7 +115,7 @@ class TiersWorkload:
 
 @dataclass(frozen=True, slots=True)
 class RestoreRow:
-    source: str  # "host", "disk warm" (page cache), "disk cold" (pages dropped) or "remote"
+    source: str  # "device" (a hit), "host", "disk warm" (page cache), "disk cold" (pages dropped) or "remote"
     ttft_ms: float | None  # median TTFT of the next turn (None: skipped)
     speedup: float | None  # recompute TTFT / this
     loaded_tokens: int  # prompt tokens loaded from the tier, the fewest over the repetitions
@@ -141,6 +145,7 @@ class RestoreFigures:
     chunks: int
     repeats: int
     recompute_ms: float  # median TTFT of the next turn, computed from scratch
+    raw_read_ms: float  # a plain file of the KV's bytes in the disk tier's directory, read cold
     rows: list[RestoreRow]
     daemon: DaemonRestoreRow | None
     daemon_skipped: str = ""
@@ -307,6 +312,14 @@ def run_restore(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, direct
         _zero(engine.pool)  # a page the turn did not load cannot pass for one it did
         return engine
 
+    def device_engine() -> LLMEngine:
+        """The stored pages on the device, as right after the session's turn: a request of the stored tokens
+        and one more loads them (its own last page stays partial, so it is not indexed)."""
+        engine = host_engine()
+        run_request(engine, c.next_turn[: len(c.block_hashes) * BLOCK_SIZE + 1], 1, tenant=c.tenant)
+        return engine
+
+    rows.append(_restore_row("device", [_next_turn(device_engine(), c) for _ in range(w.restore_repeats)], c))
     rows.append(_restore_row("host", [_next_turn(host_engine(), c) for _ in range(w.restore_repeats)], c))
 
     directory.mkdir()
@@ -320,6 +333,7 @@ def run_restore(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, direct
         _drop_page_cache(directory / "data.mdb")  # no engine has it open
         cold.append(_next_turn(_engine(loaded, device_bytes, disk), c))  # the same epoch file: the same keys
     rows.append(_restore_row("disk cold", cold, c))
+    _, raw_read_s = _raw_file(directory / "raw.bin", [c.kv])
     rows.append(_remote_row(loaded, c, w, device_bytes))
 
     daemon, why = None, ""
@@ -330,7 +344,7 @@ def run_restore(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, direct
 
         daemon = run_daemon_restore(loaded.tokenizer, w.restore_tokens)
     return RestoreFigures(len(c.token_ids), len(c.next_turn), len(c.block_hashes) * BLOCK_SIZE, c.kv.nbytes,
-                          len(spans), w.restore_repeats, c.recompute_s * 1e3, rows, daemon, why)
+                          len(spans), w.restore_repeats, c.recompute_s * 1e3, raw_read_s * 1e3, rows, daemon, why)
 
 
 def _remote_row(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, device_bytes: int) -> RestoreRow:

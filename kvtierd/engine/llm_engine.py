@@ -101,6 +101,8 @@ class LLMEngine:
         model = loaded.model
         self.step_cost = StepCostModel(
             small_step_max_tokens=model.quantized_max_tokens if model.mode.quantization else None)
+        if self.tiers is not None:  # the restore planner weighs loads against recomputing, as the steps cost
+            self.tiers.planner.recompute_cost = self._recompute_s
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_prefix_caching, config.qos, self.step_cost)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
@@ -265,11 +267,12 @@ class LLMEngine:
         t2 = time.perf_counter()
         outputs = rejected + self._advance(plan, sample_idx, logits)
         t3 = time.perf_counter()
-        if plan.prefills and self.tiers is not None:  # the prefill speed a restore is weighed against (sampling
-            self.tiers.planner.observe_prefill(plan.num_tokens, t3 - t1)  # waits for a GPU's forward to end)
         self.step_cost.observe(plan.shape, t3 - t0)
         self.last_step = StepStats(plan.num_tokens, len(plan.scheduled), t2 - t1, t3 - t0)
         return outputs
+
+    def _recompute_s(self, tokens: int) -> float:
+        return self.step_cost.current.prefill_seconds(tokens, self.config.max_num_batched_tokens)
 
     def _observe_reserve(self) -> None:
         reserve = self.kv.pool.reserve

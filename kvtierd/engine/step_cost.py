@@ -65,6 +65,16 @@ class StepCost:
             self.decode_token_s * shape.num_decodes + self.context_token_s * shape.num_context_tokens + \
             (self.large_step_s if self.is_large(shape) else 0.0)
 
+    def prefill_seconds(self, tokens: int, step_tokens: int) -> float:
+        """A prompt of `tokens` computed alone in steps of at most `step_tokens`: what recomputing it costs,
+        against which the restore planner weighs loading its KV."""
+        seconds, done = 0.0, 0
+        while done < tokens:
+            n = min(step_tokens, tokens - done)
+            done += n
+            seconds += self.seconds(StepShape(num_prefill_tokens=n, num_context_tokens=done))
+        return seconds
+
     def prefill_tokens_within(self, shape: StepShape, limit_s: float, num_cached: int = 0) -> int:
         """How many prefill tokens of a sequence with `num_cached` tokens before them a step of `shape` can
         take and still cost at most `limit_s` (n of them add n prefill tokens and num_cached + n context;

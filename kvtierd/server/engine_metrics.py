@@ -180,13 +180,13 @@ def _restore(tiers: TierManager) -> Iterator[Metric]:
         decisions.add_metric([decision], tiers.planner.decisions[decision])
     yield decisions
     bandwidth, prefill = tiers.planner.rates()
-    load = GaugeMetricFamily("kvtierd_tier_load_bytes_per_second", "Measured speed of loads into the device "
-                             "(moving average), by tier.", labels=["tier"])
+    load = GaugeMetricFamily("kvtierd_tier_load_bytes_per_second", "Speed of a large load into the device, "
+                             "by tier, fitted from the host's loads beside a per-load latency.", labels=["tier"])
     for tier, rate in sorted(bandwidth.items()):
         load.add_metric([tier], rate)
     yield load
-    yield GaugeMetricFamily("kvtierd_prefill_tokens_per_second", "Measured prefill speed (moving average), what a "
-                            "load is weighed against; 0 until measured.", prefill or 0.0)
+    yield GaugeMetricFamily("kvtierd_prefill_tokens_per_second", "Prefill speed of a 1,024-token recompute "
+                            "(the engine's step-cost fit), what a load is weighed against; 0 while unknown.", prefill or 0.0)
     yield from _transfers(tiers)
 
 

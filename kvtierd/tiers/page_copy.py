@@ -27,6 +27,11 @@ class PageCopier:
         g = self._geometry
         return (g.num_layers, 2, num_pages, g.block_size, g.num_kv_heads, g.head_dim)
 
+    def byte_shape(self, num_pages: int) -> tuple[int, ...]:
+        """`shape` of the same KV seen as bytes: a payload at any offset in a buffer can be viewed so."""
+        *outer, head_dim = self.shape(num_pages)
+        return (*outer, head_dim * self._geometry.dtype.itemsize)
+
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The pages' K and V in chunk layout, copied to CPU memory."""
         out = torch.empty(self.shape(len(block_ids)), dtype=self._geometry.dtype)
@@ -42,14 +47,16 @@ class PageCopier:
                 out[layer, 1, at : at + n].copy_(v[first : first + n])
 
     def scatter(self, kv: torch.Tensor, skip: int, block_ids: Sequence[int], payload: memoryview | None = None) -> int:
-        """Writes pages `skip`.. of `kv` (chunk layout) into the device pages `block_ids`. With `payload` (kv's
-        bytes), hashes each layer's bytes right after the copy read them, while they are in cache, and
-        returns the payload's xxh3_64."""
+        """Writes pages `skip`.. of `kv` (chunk layout, in the pool's dtype or as bytes: `byte_shape`) into the
+        device pages `block_ids`. With `payload` (kv's bytes), hashes each layer's bytes right after the copy
+        read them, while they are in cache, and returns the payload's xxh3_64."""
         dev = self._device
         runs = page_runs(block_ids)
         hasher = xxhash.xxh3_64()
         per_layer = len(payload) // len(dev.kv_caches) if payload is not None else 0
         for layer, (k, v) in enumerate(dev.kv_caches):
+            if kv.dtype != k.dtype:  # bytes (a payload at an unaligned offset): the pages seen as bytes too
+                k, v = k.view(kv.dtype), v.view(kv.dtype)
             for at, first, n in runs:
                 k[first : first + n].copy_(kv[layer, 0, skip + at : skip + at + n], non_blocking=True)
                 v[first : first + n].copy_(kv[layer, 1, skip + at : skip + at + n], non_blocking=True)

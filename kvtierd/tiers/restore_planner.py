@@ -1,31 +1,40 @@
 """Restore or recompute: whether loading a prompt's stored chunks beats computing their tokens again.
 
-    load(chunk)       = its bytes / the measured bandwidth of its tier
-    recompute(chunk)  = its tokens / the measured prefill speed
+    load(chunk)        = its tier's per-call latency + its bytes x the tier's seconds per byte
+    recompute(tokens)  = what the engine says computing that many prompt tokens costs (`recompute_cost`)
 
-Both rates are measured on this host as it serves and kept current by an
-exponential moving average: the tier manager reports every load (bytes,
-seconds, from the store's read to the last device write), the engine every step
-that computed prompt tokens (tokens, seconds). The first report of a kind sets
-its rate however short it was (a fast host's load of a small chunk takes a few
-microseconds); later reports shorter than MIN_MEASURED_S are pooled until their
-sum is not, so clock noise never moves the average alone. A chunk is worth loading only
-once the chunks before it are (a chain is a prefix), so the plan loads the
-leading run of chunks whose cumulative saving is largest and recomputes the
-rest. Until a rate is measured, loading is assumed to win: on a CPU it almost
-always does; on a GPU with fast prefill and a slow remote tier it may not.
+A load's two terms are fitted per tier from the loads this host makes (the
+tier manager reports each: bytes, seconds from the store's read to the last
+device write) by least squares, each load weighted by how recent it is. A rate
+(bytes over seconds) would not do: a small load is mostly its fixed cost, so a
+rate learned from small loads makes a large one look many times slower than it
+is. Until a tier has loads of two sizes its cost is a rate through the origin.
+
+The recompute side has the same trap (a prefill of a few tokens is mostly the
+step's fixed overhead), and the engine already fits its steps as overhead plus
+per-token costs (engine/step_cost.py), so the engine hands the planner that
+fit as a callable: tiers/ does not import engine/.
+
+A chunk is worth loading only once the chunks before it are (a chain is a
+prefix), so the plan loads the leading run of chunks whose cumulative saving is
+largest and recomputes the rest. Until both sides are known, loading is assumed
+to win: on a CPU it almost always does; on a GPU with fast prefill and a slow
+remote tier it may not.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-PREFILL = "prefill"  # the prefill speed's key among the tiers' bandwidths
-EWMA_WEIGHT = 0.2  # of each new measurement: a few loads or steps move the estimate
-MIN_MEASURED_S = 1e-4  # after the first, shorter timings are pooled: alone they are mostly clock noise
+HALF_LIFE_LOADS = 32.0  # a tier's fit follows its last few dozen loads: the machine's load changes
+REFERENCE_TOKENS = 1024  # the recompute whose speed /metrics shows
+
+# Seconds to compute this many prompt tokens, or None while unknown (the engine's step-cost fit).
+RecomputeCost = Callable[[int], "float | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,8 +48,8 @@ class ChunkCost:
 class RestorePlan:
     num_chunks: int  # load the first num_chunks found chunks; compute the rest
     num_found: int
-    load_s: float | None  # estimated time to load every found chunk (None: a tier's bandwidth is unmeasured)
-    recompute_s: float | None  # estimated time to compute their tokens instead (None: prefill speed unmeasured)
+    load_s: float | None  # estimated time to load every found chunk (None: a tier's cost is unmeasured)
+    recompute_s: float | None  # estimated time to compute their tokens instead (None: prefill cost unknown)
 
     @property
     def decision(self) -> str:
@@ -59,56 +68,89 @@ class RestorePlan:
 NOTHING_BELOW = RestorePlan(0, 0, None, None)
 
 
+@dataclass(frozen=True, slots=True)
+class LoadCost:
+    latency_s: float  # what every load from the tier pays (a round trip, a lookup, a frame's checks)
+    byte_s: float  # seconds per KV byte beyond that
+
+    def seconds(self, nbytes: int) -> float:
+        return self.latency_s + self.byte_s * nbytes
+
+
+class LoadCostFit:
+    """seconds = latency + bytes x seconds-per-byte, least squares over the observed loads weighted by how
+    recent they are; both terms kept non-negative."""
+
+    def __init__(self, half_life: float = HALF_LIFE_LOADS) -> None:
+        self._decay = 0.5 ** (1.0 / half_life)
+        self._w = self._x = self._y = self._xx = self._xy = 0.0  # weighted sums
+
+    def observe(self, nbytes: int, seconds: float) -> None:
+        d, x, y = self._decay, float(nbytes), seconds
+        self._w, self._x, self._y = d * self._w + 1, d * self._x + x, d * self._y + y
+        self._xx, self._xy = d * self._xx + x * x, d * self._xy + x * y
+
+    def current(self) -> LoadCost | None:
+        if self._w == 0:
+            return None
+        det = self._w * self._xx - self._x * self._x
+        if det > 1e-9 * self._w * self._xx:  # loads of more than one size: both terms
+            byte_s = (self._w * self._xy - self._x * self._y) / det
+            latency_s = (self._y - byte_s * self._x) / self._w
+            if byte_s >= 0 and latency_s >= 0:
+                return LoadCost(latency_s, byte_s)
+            if byte_s < 0:  # larger loads no slower (noise): a fixed cost
+                return LoadCost(self._y / self._w, 0.0)
+        return LoadCost(0.0, self._xy / self._xx)  # one size so far, or the latency came out negative: a rate
+
+
 class RestorePlanner:
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # loads are reported from the engine thread, rates read by /metrics
-        self._rates: dict[str, float] = {}  # "prefill" -> tokens/s; a tier -> bytes/s
-        self._pooled: dict[str, tuple[int, float]] = {}  # short reports not yet folded in: (amount, seconds)
+    def __init__(self, recompute_cost: RecomputeCost | None = None) -> None:
+        self._lock = threading.Lock()  # loads are reported from transfer workers, costs read by /metrics
+        self._loads: dict[str, LoadCostFit] = {}
+        self.recompute_cost = recompute_cost  # set by the engine (its step-cost fit); None: unknown
         self.decisions: Counter[str] = Counter()  # decision -> requests
 
     def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
-        self._observe(tier, nbytes, seconds)
-
-    def observe_prefill(self, tokens: int, seconds: float) -> None:
-        self._observe(PREFILL, tokens, seconds)
-
-    def _observe(self, kind: str, amount: int, seconds: float) -> None:
-        if amount <= 0 or seconds <= 0:
+        if nbytes <= 0 or seconds <= 0:
             return
         with self._lock:
-            pooled_amount, pooled_s = self._pooled.pop(kind, (0, 0.0))
-            amount, seconds = amount + pooled_amount, seconds + pooled_s
-            if kind in self._rates and seconds < MIN_MEASURED_S:
-                self._pooled[kind] = (amount, seconds)
-            else:
-                self._rates[kind] = _ewma(self._rates.get(kind), amount / seconds)
+            self._loads.setdefault(tier, LoadCostFit()).observe(nbytes, seconds)
+
+    def load_costs(self) -> dict[str, LoadCost]:
+        """Each measured tier's fitted load cost."""
+        with self._lock:
+            costs = {tier: fit.current() for tier, fit in self._loads.items()}
+        return {tier: c for tier, c in costs.items() if c is not None}
+
+    def recompute_s(self, tokens: int) -> float | None:
+        return self.recompute_cost(tokens) if self.recompute_cost is not None and tokens > 0 else None
 
     def plan(self, chunks: Sequence[ChunkCost]) -> RestorePlan:
         """The cheapest way to serve `chunks` (in chain order), counted in `decisions`."""
-        bandwidth, prefill = self.rates()
-        loads = [c.nbytes / bandwidth[c.tier] if c.tier in bandwidth else None for c in chunks]
-        recomputes = [c.tokens / prefill if prefill else None for c in chunks]
-        best, best_saving, saving = len(chunks), 0.0, 0.0
+        costs = self.load_costs()
+        loads = [costs[c.tier].seconds(c.nbytes) if c.tier in costs else None for c in chunks]
+        # recomputes[i]: the first i chunks' tokens computed (not additive: a step's overhead is shared).
+        recomputes = [self.recompute_s(t) for t in itertools.accumulate((c.tokens for c in chunks), initial=0)]
+        recomputes[0] = 0.0
+        best = len(chunks)
         if all(x is not None for x in loads + recomputes):
-            best = 0
-            for i, (load, recompute) in enumerate(zip(loads, recomputes)):
-                saving += recompute - load
+            best, best_saving, load_sum = 0, 0.0, 0.0
+            for i, load in enumerate(loads):
+                load_sum += load
+                saving = recomputes[i + 1] - load_sum
                 if saving > best_saving:
                     best, best_saving = i + 1, saving
-        plan = RestorePlan(best, len(chunks), _total(loads), _total(recomputes))
+        plan = RestorePlan(best, len(chunks), _total(loads), recomputes[-1] if chunks else None)
         if chunks:
             self.decisions[plan.decision] += 1
         return plan
 
     def rates(self) -> tuple[dict[str, float], float | None]:
-        """(bytes/s per tier, prefill tokens/s) as measured so far."""
-        with self._lock:
-            rates = dict(self._rates)
-        return rates, rates.pop(PREFILL, None)
-
-
-def _ewma(old: float | None, new: float) -> float:
-    return new if old is None else old + EWMA_WEIGHT * (new - old)
+        """(bytes/s per tier for a large load, prefill tokens/s of a REFERENCE_TOKENS recompute), for /metrics."""
+        bandwidth = {tier: 1.0 / c.byte_s if c.byte_s > 0 else float("inf") for tier, c in self.load_costs().items()}
+        seconds = self.recompute_s(REFERENCE_TOKENS)
+        return bandwidth, REFERENCE_TOKENS / seconds if seconds else None
 
 
 def _total(parts: Sequence[float | None]) -> float | None:

@@ -225,21 +225,7 @@ class TierManager:
         if self.host is None:
             return False
         identity = span.identity(self._geometry)
-
-        def copy(value: torch.Tensor) -> str:
-            """"ok" once the pages are in the device, else the failed check's name."""
-            try:
-                frame = check_frame_head(value.numpy(), identity)
-            except CorruptValueError as e:
-                return e.check
-            if frame.codec != HOST_CODEC:
-                return "codec"
-            payload = value[frame.payload_offset :]
-            kv = payload.view(self._geometry.dtype).view(self._pages.shape(span.num_pages))
-            checksum = self._pages.scatter(kv, skip, block_ids, frame.encoded)
-            return "ok" if checksum == frame.checksum else "checksum"
-
-        outcome = self.host.read(key, copy)
+        outcome = self.host.read(key, lambda value: self._scatter_frame(value, identity, skip, block_ids))
         if outcome is None:  # evicted since the lookup
             return False
         if outcome != "ok":
@@ -250,6 +236,8 @@ class TierManager:
         return True
 
     def _load_below(self, tier: str, key: bytes, span: ChunkSpan, skip: int, block_ids: Sequence[int]) -> bool:
+        if tier == "disk":
+            return self._load_disk(key, span, skip, block_ids)
         chunk = self._fetch(tier, key, span)
         if chunk is None:
             return False
@@ -258,6 +246,53 @@ class TierManager:
         if tier == "remote":
             self._fleet_epoch.remember(key)  # the fleet has it: no need to send it back
         return True
+
+    def _load_disk(self, key: bytes, span: ChunkSpan, skip: int, block_ids: Sequence[int]) -> bool:
+        """Reads the value into the disk store's scratch buffer (one read of the file) and copies or decodes
+        it from there into the pages."""
+        if not self.has_disk:
+            return False
+        identity = span.identity(self._geometry)
+
+        def scatter(value: memoryview) -> str:
+            return self._scatter_frame(torch.frombuffer(value, dtype=torch.uint8), identity, skip, block_ids,
+                                       decode=True)
+
+        outcome = self._writer.call(lambda: self.disk.read(key, scatter), None)
+        if outcome is None:  # gone since the lookup, or the disk failed
+            return False
+        if outcome != "ok":
+            self.counts["disk"].corrupt += 1
+            log.warning("a disk-tier KV chunk failed its %s check: dropped, recomputed instead", outcome)
+            self._writer.quarantine(key, f"failed its {outcome} check")
+            return False
+        return True
+
+    def _scatter_frame(self, value: torch.Tensor, identity: ChunkIdentity, skip: int, block_ids: Sequence[int],
+                       decode: bool = False) -> str:
+        """Checks a frame (a flat uint8 tensor) and writes its pages `skip`.. into `block_ids`: "ok", else the
+        failed check's name. A raw payload is copied straight from `value` and hashed layer by layer right
+        after the copy read it (one pass); another codec is decoded first, when `decode` allows it."""
+        try:
+            frame = check_frame_head(value.numpy(), identity)
+        except CorruptValueError as e:
+            return e.check
+        if frame.codec == HOST_CODEC:  # viewed as bytes: a disk value's payload need not be aligned
+            if len(frame.encoded) != identity.payload_nbytes:
+                return "payload size"
+            payload = value[frame.payload_offset : frame.payload_offset + identity.payload_nbytes]
+            checksum = self._pages.scatter(payload.view(self._pages.byte_shape(identity.num_pages)), skip,
+                                           block_ids, frame.encoded)
+            return "ok" if checksum == frame.checksum else "checksum"
+        if not decode:
+            return "codec"
+        try:
+            chunk = decode_frame(value.numpy(), identity)  # checks the payload's checksum itself
+        except CorruptValueError as e:
+            return e.check
+        kv = torch.frombuffer(_writable(chunk.payload), dtype=torch.uint8)
+        self._pages.scatter(kv.view(self._pages.byte_shape(identity.num_pages)), skip, block_ids)
+        return "ok"
 
     def _fetch(self, tier: str, key: bytes, span: ChunkSpan) -> memoryview | None:
         """A disk or remote chunk's decoded payload, checked; None when it is gone or bad (then quarantined)."""
