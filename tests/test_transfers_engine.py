@@ -40,6 +40,14 @@ def slow_prefill(engine) -> None:
         engine.tiers.planner.observe_prefill(1, 1.0)
 
 
+def add_looked_up(engine, prompt: list[int], **kw) -> str:
+    """Adds a request and waits for its lookup of the lower tiers (started as it arrives) to answer, so its
+    admission starts its loads at once."""
+    rid = engine.add_request(prompt, PARAMS, **kw)
+    engine.tiers.transfers.wait_lookups()
+    return rid
+
+
 def run_rest(engine, rid: str) -> list:
     outs = []
     while engine.has_unfinished():
@@ -64,7 +72,7 @@ def test_a_loading_request_waits_while_others_step_then_runs_with_the_same_outpu
     engine, prompt = prompt_below_the_device(make_engine, tok)
     slow_prefill(engine)
     held = HeldWorkers(engine)
-    rid = engine.add_request(prompt, PARAMS)
+    rid = add_looked_up(engine, prompt)
     other = engine.add_request(tok.encode("A short question about pages?"), PARAMS)
     steps_of_other = 0
     while other in engine.requests:  # the other request runs to its end while the first one's loads wait
@@ -84,11 +92,11 @@ def test_two_requests_needing_the_same_chunks_share_one_load_each(loaded, make_e
     engine, prompt = prompt_below_the_device(make_engine, tok)
     slow_prefill(engine)
     held = HeldWorkers(engine)
-    first = engine.add_request(prompt, PARAMS)
+    first = add_looked_up(engine, prompt)
     engine.step()
     loads = engine.tiers.transfers.num_in_flight
     pages_taken = engine.kv.pool.num_used_blocks
-    second = engine.add_request(prompt, PARAMS, tenant="")  # same tenant: same chunks
+    second = add_looked_up(engine, prompt, tenant="")  # same tenant: same chunks
     engine.step()
     assert {r.request_id for r in engine.scheduler.loading} == {first, second}
     assert loads >= 2 and engine.tiers.transfers.num_in_flight == loads  # joined, not loaded again
@@ -111,7 +119,7 @@ def test_a_loading_request_cancelled_mid_load_gives_its_pages_back(loaded, make_
     free_before = engine.kv.pool.num_free_blocks
     slow_prefill(engine)
     held = HeldWorkers(engine)
-    rid = engine.add_request(prompt, PARAMS)
+    rid = add_looked_up(engine, prompt)
     engine.step()
     assert [r.request_id for r in engine.scheduler.loading] == [rid]
     assert engine.kv.pool.num_free_blocks < free_before  # its destination pages and device prefix are held
@@ -137,7 +145,7 @@ def test_a_load_past_its_deadline_turns_into_a_recompute_with_the_same_output(lo
     planner.observe_load("host", 10**15, 1.0)
     planner.observe_prefill(10**9, 1.0)
     held = HeldWorkers(engine)
-    rid = engine.add_request(prompt, PARAMS)
+    rid = add_looked_up(engine, prompt)
     engine.step()  # it starts loading; the loads stay queued behind the held workers
     outs = run_rest(engine, rid)  # the next step finds its deadline passed: it recomputes
     by_tier = outs[0].cached_tokens_by_tier

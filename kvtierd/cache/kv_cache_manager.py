@@ -133,7 +133,7 @@ class KVCacheManager:
         self.pins = Pins(self.pool, pin_budget_pages, clock)
         self._clock = clock
         self._tables: dict[str, PageTable] = {}
-        self.loading = Loading(self.pool, tiers, block_size) if tiers is not None else None
+        self.loading = Loading(self.pool, tiers, block_size, self.demote_evicted) if tiers is not None else None
         self._invalidations = 0  # a load begun before an invalidation indexes nothing
 
     @property
@@ -285,8 +285,26 @@ class KVCacheManager:
         Returns the plan."""
         if self.loading is None or not hit.below:
             return NOTHING_BELOW
-        return self.loading.begin(seq_id, hit.block_ids, hit.block_hashes, hit.below, high, self._invalidations,
-                                  self.demote_evicted)
+        return self.loading.begin(seq_id, hit.block_ids, hit.block_hashes, hit.below, high, self._invalidations)
+
+    def look_below(self, seq_id: str, root: BlockHash, token_ids: Sequence[int], high: bool = False) -> RestorePlan:
+        """Looks up what the lower tiers hold past the tenant's device hit for `token_ids`, off the step (its
+        arrival's lookup when still valid, `prefetch`). `seq_id in loading` after it when it is looking up or
+        loading now (the scheduler's two phases: `load_ready`, then `finish_load`); otherwise nothing below is
+        to be loaded, and the plan says why."""
+        if self.loading is None:
+            return NOTHING_BELOW
+        bs = self.block_size
+        usable = token_ids[: len(token_ids) - 1]
+        n = len(usable) // bs
+        hashes = hash_full_blocks(root, usable[: n * bs], bs, algorithm=self.hash_algorithm)
+        blocks = self.pool.lookup(hashes, [usable[i * bs : (i + 1) * bs] for i in range(n)])
+        if len(blocks) == n:
+            self.loading.forget(seq_id)
+            return NOTHING_BELOW
+        tiers, start = self.tiers, len(blocks)
+        return self.loading.look_up(seq_id, blocks, hashes[:start], lambda: tiers.lookup(root, hashes, usable, start),
+                                    (n - start) * bs, high, self._invalidations)
 
     def load_ready(self, seq_id: str) -> bool:
         """Its loads have all finished, or its deadline passed: `finish_load` it, then adopt its prefix."""
@@ -308,9 +326,10 @@ class KVCacheManager:
         if self.loading is not None:
             self.loading.reap()
 
-    def prefetch(self, root: BlockHash, token_ids: Sequence[int]) -> None:
+    def prefetch(self, root: BlockHash, token_ids: Sequence[int], seq_id: str | None = None) -> None:
         """Starts moving a prompt's chunks that sit below the host tier up to it, before its request is
-        scheduled (on the tier manager's prefetch thread)."""
+        scheduled (on the tier manager's prefetch thread), and, given its `seq_id`, the request's lookup of the
+        lower tiers (on a lookup worker: `look_below` uses its answer)."""
         if self.tiers is None:
             return
         bs = self.block_size
@@ -319,7 +338,10 @@ class KVCacheManager:
         hashes = hash_full_blocks(root, usable[: n * bs], bs, algorithm=self.hash_algorithm)
         on_device = self.pool.lookup(hashes, [usable[i * bs : (i + 1) * bs] for i in range(n)])
         if len(on_device) < n:
-            self.tiers.prefetch(root, hashes, usable, len(on_device))
+            tiers, start = self.tiers, len(on_device)
+            tiers.prefetch(root, hashes, usable, start)
+            if seq_id is not None:
+                self.loading.look_ahead(seq_id, start, lambda: tiers.lookup(root, hashes, usable, start))
 
     # -- saving below the device ----------------------------------------------------------------
 
@@ -647,6 +669,7 @@ class KVCacheManager:
         """Returns a sequence's pages, and abandons its loads; a no-op for a sequence that holds none."""
         if self.loading is not None:
             self.loading.cancel(seq_id)
+            self.loading.forget(seq_id)
         table = self._tables.pop(seq_id, None)
         if table is not None:
             self.pool.release(table.block_ids, table.high)

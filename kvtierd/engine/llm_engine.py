@@ -162,7 +162,8 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         if self.config.enable_prefix_caching:
-            self.kv.prefetch(req.cache_root, req.prompt_token_ids)  # chunks on disk or remote start moving up now
+            # Chunks on disk or remote start moving up now, and its lookup of the lower tiers starts.
+            self.kv.prefetch(req.cache_root, req.prompt_token_ids, request_id)
         self.counters.requests += 1
         self.counters.prompt_tokens += req.num_prompt_tokens
         self._take_snapshot()
