@@ -172,7 +172,8 @@ def test_idle_work_saves_the_chunks_next_in_line_so_their_eviction_copies_nothin
     twin, engine = tiered(make_engine), tiered(make_engine)
     for e in (twin, engine):
         run_one(e, prompt)
-    engine.on_idle()  # the free-page watermark: the idle pages' chunks go to the host tier now
+    while engine.on_idle():  # the free-page watermark: the idle pages' chunks go to the host tier now
+        pass
     hashes = hash_full_blocks(engine._root(""), prompt, 16, algorithm=engine.kv.hash_algorithm)
     found = engine.tiers.lookup(engine._root(""), hashes, prompt, 0)
     assert len(found) >= 2 and {f.tier for f in found} == {"host"}  # while its pages are still on the device

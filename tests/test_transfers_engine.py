@@ -14,6 +14,7 @@ from engine_runs import assert_same_output
 from test_tiers_engine import TOPICS, ask, push_out, tiered
 
 from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.tiers.config import TierConfig
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2)
 run_one = partial(engine_runs.run_one, params=PARAMS)
@@ -175,3 +176,32 @@ def test_a_store_in_flight_keeps_its_copy_while_its_pages_are_reused(loaded, mak
     assert warm[0].cached_tokens_by_tier["disk"] >= 64  # what was stored is the KV before the pages were reused
     assert_same_output(warm, cold_run(make_engine, prompt))
     engine.close()
+
+
+def test_a_store_still_copying_keeps_its_pages_until_its_copy_is_made(loaded, make_engine, tmp_path):
+    tok = loaded.tokenizer
+    disk = TierConfig(host_bytes=0, disk_bytes=256 << 20, disk_path=tmp_path, chunk_pages=4)
+    engine = make_engine(kv_tokens=400, tiers=disk)  # 25 pages: room for the others beside the held ones
+    gate = threading.Event()
+    engine.tiers._store_copier.submit(gate.wait)  # the store-copy thread is busy: the turn's copies wait
+    prompt = ask(tok, TOPICS[0])
+    rid = engine.add_request(prompt, PARAMS, session_id="s")
+    first = run_rest(engine, rid)
+    held = engine.kv.pool.num_used_blocks
+    assert held >= 8  # the finished turn's full pages, referenced by its store until their copy is made
+    for topic in TOPICS[1:]:  # prompts that need pages: they get others, the held ones keep their KV
+        run_one(engine, ask(tok, topic))
+    assert engine.kv.pool.num_used_blocks == held and engine.tiers._writer.num_written == 0
+    assert all(p.resident for p in engine.session_view("s").pages[:held])
+    gate.set()
+    engine.tiers.wait()
+    engine.kv.reap_loads()
+    assert engine.kv.pool.num_used_blocks == 0 and engine.tiers._writer.num_written >= 2
+    engine.close()
+    # What the disk got is the turn's KV: a new engine on the same disk loads it and computes the same output.
+    again = make_engine(kv_tokens=400, tiers=disk)
+    warm = run_one(again, prompt)
+    assert warm[0].cached_tokens_by_tier["disk"] >= 64
+    assert_same_output(warm, cold_run(make_engine, prompt))
+    assert_same_output(first, warm)
+    again.close()

@@ -49,6 +49,7 @@ import logging
 import time
 from array import array
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from kvtierd.cache.block_hash import BlockHash, hash_full_blocks, rebase
@@ -135,6 +136,7 @@ class KVCacheManager:
         self._tables: dict[str, PageTable] = {}
         self.loading = Loading(self.pool, tiers, block_size, self.demote_evicted) if tiers is not None else None
         self._invalidations = 0  # a load begun before an invalidation indexes nothing
+        self._storing: list[tuple[list[Future], list[int]]] = []  # stores being copied out, and the pages they hold
 
     @property
     def num_free_blocks(self) -> int:
@@ -325,6 +327,7 @@ class KVCacheManager:
         """Takes back the pages of abandoned loads that have finished; call between steps."""
         if self.loading is not None:
             self.loading.reap()
+        self.reap_stores()
 
     def prefetch(self, root: BlockHash, token_ids: Sequence[int], seq_id: str | None = None) -> None:
         """Starts moving a prompt's chunks that sit below the host tier up to it, before its request is
@@ -378,7 +381,27 @@ class KVCacheManager:
         if table.public_blocks:
             return ()  # its chain starts in the public namespace: not stored below in this version
         hashes = table.block_hashes[: len(token_ids) // self.block_size]
-        return self.tiers.write_turn(self._copies(root, hashes, token_ids, table.block_ids), session=session)
+        copies = self._copies(root, hashes, token_ids, table.block_ids)
+        held = [b for c in copies for b in c.block_ids]
+        copied: list[Future] = []
+        keys = self.tiers.write_turn(copies, session=session, copied=copied)
+        if copied:  # its pages stay referenced until their copy out is made (off the step)
+            self.pool.share(held)
+            self._storing.append((copied, held))
+        return keys
+
+    def reap_stores(self, wait: bool = False) -> None:
+        """Lets go of the pages of stores whose copy out of the device is made (all of them, waiting, with
+        `wait`); call between steps."""
+        still = []
+        for copied, held in self._storing:
+            if wait or all(f.done() for f in copied):
+                for f in copied:
+                    f.exception()  # waits; a failed copy is the writer's to log (it stores nothing)
+                self.pool.release(held)
+            else:
+                still.append((copied, held))
+        self._storing = still
 
     def flush_below(self) -> bool:
         """Queues for the disk tier what should outlive a restart: the sessions' resident pages and the
@@ -647,6 +670,7 @@ class KVCacheManager:
         """Where each live page goes (cache/compaction.py). Copy `plan.copies` on the device, then
         `apply_compaction(plan)`, with nothing in between: call between two engine steps."""
         self.demote_evicted()  # evicted chunks are saved below from the pages they are in now
+        self.reap_stores(wait=True)  # no store may be reading a page while it moves
         return plan_compaction(self.page_use())
 
     def apply_compaction(self, plan: CompactionPlan) -> None:
