@@ -150,12 +150,12 @@ class Loading:
         """Its lookup answered and every load it started finished, or its deadline passed. Call between steps:
         a lookup that answered starts its loads here."""
         t = self._tickets[seq_id]
-        if t.deadline is not None and self._clock() > t.deadline:
-            return True
-        if t.lookup is not None and t.lookup.done():
+        if t.lookup is not None and t.lookup.done():  # its plan is made even when late: the reply reports it
             found, t.lookup = _found(t.lookup), None
             if found:
                 self._start_loads(seq_id, t, found)
+        if t.deadline is not None and self._clock() > t.deadline:
+            return True
         return t.lookup is None and all(load.done for load in t.loads)
 
     def finish(self, seq_id: str, epoch: int) -> LoadTicket:
