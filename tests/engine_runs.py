@@ -10,9 +10,12 @@ from kvtierd.engine.sampling_params import SamplingParams
 PARAMS = SamplingParams(max_tokens=12, temperature=0.0, logprobs=True, top_logprobs=2)
 
 
-def run_one(engine, prompt, params: SamplingParams = PARAMS, **request) -> list:
-    """The request's outputs; `request` goes to add_request (tenant, session_id, tag)."""
+def run_one(engine, prompt, params: SamplingParams = PARAMS, looked_up: bool = False, **request) -> list:
+    """The request's outputs; `request` goes to add_request (tenant, session_id, tag). `looked_up`: its lookup of
+    the lower tiers (started as it arrives) answers before the first step, whatever the deadline."""
     rid = engine.add_request(prompt, params, **request)
+    if looked_up:
+        engine.tiers.transfers.wait_lookups()
     outs = []
     while engine.has_unfinished():
         outs += [o for o in engine.step() if o.request_id == rid]

@@ -7,12 +7,14 @@ stopped, paused (SIGSTOP: a server that hangs) and started again on its port.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -185,3 +187,61 @@ def redis_factory() -> Iterator[RedisFactory]:
 def redis_server(redis_factory: RedisFactory) -> RedisServer:
     """One plain redis-server for the module."""
     return redis_factory.server()
+
+
+class GatedProxy:
+    """A TCP proxy to a redis-server that, while held, keeps each new call (the first bytes a client sends
+    after the server last answered it) until released: a Redis that stops answering, on the test's cue."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._open = threading.Event()
+        self._open.set()
+        self.held = 0  # calls that found the proxy held
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, name="gated-proxy", daemon=True).start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    def hold(self) -> None:
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def close(self) -> None:
+        self._open.set()
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._target))
+            answered = threading.Event()
+            answered.set()
+            for src, dst, up in ((client, server, True), (server, client, False)):
+                threading.Thread(target=self._pump, args=(src, dst, answered, up), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, answered: threading.Event, up: bool) -> None:
+        try:
+            while data := src.recv(1 << 16):
+                if not up:
+                    answered.set()
+                elif answered.is_set():
+                    answered.clear()
+                    if not self._open.is_set():
+                        self.held += 1
+                        self._open.wait()
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)

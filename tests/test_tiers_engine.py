@@ -136,7 +136,7 @@ def test_recomputing_is_chosen_when_it_is_cheaper_than_loading(loaded, make_engi
     planner = engine.tiers.planner
     assert planner.rates()[0]["host"] > 0 and planner.rates()[1] > 0
     planner.recompute_cost = lambda tokens: tokens * 1e-12  # as if prefill were nearly free (a fast GPU)
-    warm = run_one(engine, prompt)
+    warm = run_one(engine, prompt, looked_up=True)  # (a lookup's own deadline would pass before it answers)
     assert warm[0].restore.decision == "recompute" and warm[0].restore.num_found >= 2
     assert warm[0].restore.recompute_s < warm[0].restore.load_s
     assert warm[0].cached_tokens_by_tier["host"] == 0
@@ -172,7 +172,8 @@ def test_idle_work_saves_the_chunks_next_in_line_so_their_eviction_copies_nothin
     twin, engine = tiered(make_engine), tiered(make_engine)
     for e in (twin, engine):
         run_one(e, prompt)
-    engine.on_idle()  # the free-page watermark: the idle pages' chunks go to the host tier now
+    while engine.on_idle():  # the free-page watermark: the idle pages' chunks go to the host tier now
+        pass
     hashes = hash_full_blocks(engine._root(""), prompt, 16, algorithm=engine.kv.hash_algorithm)
     found = engine.tiers.lookup(engine._root(""), hashes, prompt, 0)
     assert len(found) >= 2 and {f.tier for f in found} == {"host"}  # while its pages are still on the device

@@ -14,6 +14,7 @@ from engine_runs import assert_same_output
 from test_tiers_engine import TOPICS, ask, push_out, tiered
 
 from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.tiers.config import TierConfig
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2)
 run_one = partial(engine_runs.run_one, params=PARAMS)
@@ -37,6 +38,14 @@ def slow_prefill(engine) -> None:
     """Makes the planner estimate recomputing at about a token a second: a load's deadline is minutes away,
     so a held load is waited for whatever this machine's speed."""
     engine.tiers.planner.recompute_cost = float
+
+
+def add_looked_up(engine, prompt: list[int], **kw) -> str:
+    """Adds a request and waits for its lookup of the lower tiers (started as it arrives) to answer, so its
+    admission starts its loads at once."""
+    rid = engine.add_request(prompt, PARAMS, **kw)
+    engine.tiers.transfers.wait_lookups()
+    return rid
 
 
 def run_rest(engine, rid: str) -> list:
@@ -63,7 +72,7 @@ def test_a_loading_request_waits_while_others_step_then_runs_with_the_same_outpu
     engine, prompt = prompt_below_the_device(make_engine, tok)
     slow_prefill(engine)
     held = HeldWorkers(engine)
-    rid = engine.add_request(prompt, PARAMS)
+    rid = add_looked_up(engine, prompt)
     other = engine.add_request(tok.encode("A short question about pages?"), PARAMS)
     steps_of_other = 0
     while other in engine.requests:  # the other request runs to its end while the first one's loads wait
@@ -83,11 +92,11 @@ def test_two_requests_needing_the_same_chunks_share_one_load_each(loaded, make_e
     engine, prompt = prompt_below_the_device(make_engine, tok)
     slow_prefill(engine)
     held = HeldWorkers(engine)
-    first = engine.add_request(prompt, PARAMS)
+    first = add_looked_up(engine, prompt)
     engine.step()
     loads = engine.tiers.transfers.num_in_flight
     pages_taken = engine.kv.pool.num_used_blocks
-    second = engine.add_request(prompt, PARAMS, tenant="")  # same tenant: same chunks
+    second = add_looked_up(engine, prompt, tenant="")  # same tenant: same chunks
     engine.step()
     assert {r.request_id for r in engine.scheduler.loading} == {first, second}
     assert loads >= 2 and engine.tiers.transfers.num_in_flight == loads  # joined, not loaded again
@@ -110,7 +119,7 @@ def test_a_loading_request_cancelled_mid_load_gives_its_pages_back(loaded, make_
     free_before = engine.kv.pool.num_free_blocks
     slow_prefill(engine)
     held = HeldWorkers(engine)
-    rid = engine.add_request(prompt, PARAMS)
+    rid = add_looked_up(engine, prompt)
     engine.step()
     assert [r.request_id for r in engine.scheduler.loading] == [rid]
     assert engine.kv.pool.num_free_blocks < free_before  # its destination pages and device prefix are held
@@ -136,7 +145,7 @@ def test_a_load_past_its_deadline_turns_into_a_recompute_with_the_same_output(lo
     planner.observe_load("host", 10**15, 1.0)
     planner.recompute_cost = lambda tokens: tokens * 1e-9
     held = HeldWorkers(engine)
-    rid = engine.add_request(prompt, PARAMS)
+    rid = add_looked_up(engine, prompt)
     engine.step()  # it starts loading; the loads stay queued behind the held workers
     outs = run_rest(engine, rid)  # the next step finds its deadline passed: it recomputes
     by_tier = outs[0].cached_tokens_by_tier
@@ -166,3 +175,32 @@ def test_a_store_in_flight_keeps_its_copy_while_its_pages_are_reused(loaded, mak
     assert warm[0].cached_tokens_by_tier["disk"] >= 64  # what was stored is the KV before the pages were reused
     assert_same_output(warm, cold_run(make_engine, prompt))
     engine.close()
+
+
+def test_a_store_still_copying_keeps_its_pages_until_its_copy_is_made(loaded, make_engine, tmp_path):
+    tok = loaded.tokenizer
+    disk = TierConfig(host_bytes=0, disk_bytes=256 << 20, disk_path=tmp_path, chunk_pages=4)
+    engine = make_engine(kv_tokens=400, tiers=disk)  # 25 pages: room for the others beside the held ones
+    gate = threading.Event()
+    engine.tiers._store_copier.submit(gate.wait)  # the store-copy thread is busy: the turn's copies wait
+    prompt = ask(tok, TOPICS[0])
+    rid = engine.add_request(prompt, PARAMS, session_id="s")
+    first = run_rest(engine, rid)
+    held = engine.kv.pool.num_used_blocks
+    assert held >= 8  # the finished turn's full pages, referenced by its store until their copy is made
+    for topic in TOPICS[1:]:  # prompts that need pages: they get others, the held ones keep their KV
+        run_one(engine, ask(tok, topic))
+    assert engine.kv.pool.num_used_blocks == held and engine.tiers._writer.num_written == 0
+    assert all(p.resident for p in engine.session_view("s").pages[:held])
+    gate.set()
+    engine.tiers.wait()
+    engine.kv.reap_loads()
+    assert engine.kv.pool.num_used_blocks == 0 and engine.tiers._writer.num_written >= 2
+    engine.close()
+    # What the disk got is the turn's KV: a new engine on the same disk loads it and computes the same output.
+    again = make_engine(kv_tokens=400, tiers=disk)
+    warm = run_one(again, prompt)
+    assert warm[0].cached_tokens_by_tier["disk"] >= 64
+    assert_same_output(warm, cold_run(make_engine, prompt))
+    assert_same_output(first, warm)
+    again.close()

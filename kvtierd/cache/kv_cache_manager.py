@@ -49,6 +49,7 @@ import logging
 import time
 from array import array
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 from kvtierd.cache.block_hash import BlockHash, hash_full_blocks, rebase
@@ -133,8 +134,9 @@ class KVCacheManager:
         self.pins = Pins(self.pool, pin_budget_pages, clock)
         self._clock = clock
         self._tables: dict[str, PageTable] = {}
-        self.loading = Loading(self.pool, tiers, block_size) if tiers is not None else None
+        self.loading = Loading(self.pool, tiers, block_size, self.demote_evicted) if tiers is not None else None
         self._invalidations = 0  # a load begun before an invalidation indexes nothing
+        self._storing: list[tuple[list[Future], list[int]]] = []  # stores being copied out, and the pages they hold
 
     @property
     def num_free_blocks(self) -> int:
@@ -285,8 +287,26 @@ class KVCacheManager:
         Returns the plan."""
         if self.loading is None or not hit.below:
             return NOTHING_BELOW
-        return self.loading.begin(seq_id, hit.block_ids, hit.block_hashes, hit.below, high, self._invalidations,
-                                  self.demote_evicted)
+        return self.loading.begin(seq_id, hit.block_ids, hit.block_hashes, hit.below, high, self._invalidations)
+
+    def look_below(self, seq_id: str, root: BlockHash, token_ids: Sequence[int], high: bool = False) -> RestorePlan:
+        """Looks up what the lower tiers hold past the tenant's device hit for `token_ids`, off the step (its
+        arrival's lookup when still valid, `prefetch`). `seq_id in loading` after it when it is looking up or
+        loading now (the scheduler's two phases: `load_ready`, then `finish_load`); otherwise nothing below is
+        to be loaded, and the plan says why."""
+        if self.loading is None:
+            return NOTHING_BELOW
+        bs = self.block_size
+        usable = token_ids[: len(token_ids) - 1]
+        n = len(usable) // bs
+        hashes = hash_full_blocks(root, usable[: n * bs], bs, algorithm=self.hash_algorithm)
+        blocks = self.pool.lookup(hashes, [usable[i * bs : (i + 1) * bs] for i in range(n)])
+        if len(blocks) == n:
+            self.loading.forget(seq_id)
+            return NOTHING_BELOW
+        tiers, start = self.tiers, len(blocks)
+        return self.loading.look_up(seq_id, blocks, hashes[:start], lambda: tiers.lookup(root, hashes, usable, start),
+                                    (n - start) * bs, high, self._invalidations)
 
     def load_ready(self, seq_id: str) -> bool:
         """Its loads have all finished, or its deadline passed: `finish_load` it, then adopt its prefix."""
@@ -307,10 +327,12 @@ class KVCacheManager:
         """Takes back the pages of abandoned loads that have finished; call between steps."""
         if self.loading is not None:
             self.loading.reap()
+        self.reap_stores()
 
-    def prefetch(self, root: BlockHash, token_ids: Sequence[int]) -> None:
+    def prefetch(self, root: BlockHash, token_ids: Sequence[int], seq_id: str | None = None) -> None:
         """Starts moving a prompt's chunks that sit below the host tier up to it, before its request is
-        scheduled (on the tier manager's prefetch thread)."""
+        scheduled (on the tier manager's prefetch thread), and, given its `seq_id`, the request's lookup of the
+        lower tiers (on a lookup worker: `look_below` uses its answer)."""
         if self.tiers is None:
             return
         bs = self.block_size
@@ -319,7 +341,10 @@ class KVCacheManager:
         hashes = hash_full_blocks(root, usable[: n * bs], bs, algorithm=self.hash_algorithm)
         on_device = self.pool.lookup(hashes, [usable[i * bs : (i + 1) * bs] for i in range(n)])
         if len(on_device) < n:
-            self.tiers.prefetch(root, hashes, usable, len(on_device))
+            tiers, start = self.tiers, len(on_device)
+            tiers.prefetch(root, hashes, usable, start)
+            if seq_id is not None:
+                self.loading.look_ahead(seq_id, start, lambda: tiers.lookup(root, hashes, usable, start))
 
     # -- saving below the device ----------------------------------------------------------------
 
@@ -356,7 +381,27 @@ class KVCacheManager:
         if table.public_blocks:
             return ()  # its chain starts in the public namespace: not stored below in this version
         hashes = table.block_hashes[: len(token_ids) // self.block_size]
-        return self.tiers.write_turn(self._copies(root, hashes, token_ids, table.block_ids), session=session)
+        copies = self._copies(root, hashes, token_ids, table.block_ids)
+        held = [b for c in copies for b in c.block_ids]
+        copied: list[Future] = []
+        keys = self.tiers.write_turn(copies, session=session, copied=copied)
+        if copied:  # its pages stay referenced until their copy out is made (off the step)
+            self.pool.share(held)
+            self._storing.append((copied, held))
+        return keys
+
+    def reap_stores(self, wait: bool = False) -> None:
+        """Lets go of the pages of stores whose copy out of the device is made (all of them, waiting, with
+        `wait`); call between steps."""
+        still = []
+        for copied, held in self._storing:
+            if wait or all(f.done() for f in copied):
+                for f in copied:
+                    f.exception()  # waits; a failed copy is the writer's to log (it stores nothing)
+                self.pool.release(held)
+            else:
+                still.append((copied, held))
+        self._storing = still
 
     def flush_below(self) -> bool:
         """Queues for the disk tier what should outlive a restart: the sessions' resident pages and the
@@ -625,6 +670,7 @@ class KVCacheManager:
         """Where each live page goes (cache/compaction.py). Copy `plan.copies` on the device, then
         `apply_compaction(plan)`, with nothing in between: call between two engine steps."""
         self.demote_evicted()  # evicted chunks are saved below from the pages they are in now
+        self.reap_stores(wait=True)  # no store may be reading a page while it moves
         return plan_compaction(self.page_use())
 
     def apply_compaction(self, plan: CompactionPlan) -> None:
@@ -647,6 +693,7 @@ class KVCacheManager:
         """Returns a sequence's pages, and abandons its loads; a no-op for a sequence that holds none."""
         if self.loading is not None:
             self.loading.cancel(seq_id)
+            self.loading.forget(seq_id)
         table = self._tables.pop(seq_id, None)
         if table is not None:
             self.pool.release(table.block_ids, table.high)

@@ -1,9 +1,17 @@
 """Requests whose prefix is being loaded from the lower tiers: the page side of a two-phase load.
 
-    waiting --begin--> loading --(every load done, or its deadline passed)--> ready --finish--> admitted
-                          \\--cancel (client hung up, refused)--> gone: pages released, loads abandoned
+    arrival --look_ahead--> (its lookup runs on a lookup worker while it queues)
+    waiting --look_up--> looking up --(answer: start loads)--> loading --(every load done)--> ready --finish--> admitted
+                |                \\--(nothing below)------------------------------------------/
+                \\--(answer there already)--> loading, or admitted at once when nothing is below
+      any state before admitted --(deadline passed)--> ready: what has not arrived is recomputed
+      any state before admitted --cancel (client hung up, refused)--> gone: pages released, loads abandoned
 
-`begin` plans the chunks found below (the restore planner: load or recompute),
+Lookups run on the transfer queue's lookup workers, never on the step: a
+Redis that answers slowly or not at all holds the looking-up request (up to
+its deadline), not the others. A request's lookup starts when it arrives
+(`look_ahead`), so by its admission the answer is usually there; if its device
+hit changed meanwhile, it looks up again. `begin` plans the chunks found below (the restore planner: load or recompute),
 takes fresh device pages for each chunk to load, or joins a load of the same
 chunk that another request started, and submits the rest to the tier
 manager's transfer workers. Meanwhile the request holds its device prefix
@@ -23,14 +31,19 @@ what was invalidated.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import CancelledError, Future
 from dataclasses import dataclass, field
 
 from kvtierd.cache.block_pool import BlockPool
-from kvtierd.tiers.restore_planner import ChunkCost, RestorePlan
+from kvtierd.tiers.chunk import FoundChunk
+from kvtierd.tiers.restore_planner import NOTHING_BELOW, ChunkCost, RestorePlan
 from kvtierd.tiers.tier_manager import TierManager
 from kvtierd.tiers.transfer import ChunkLoad
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(eq=False, slots=True)
@@ -44,20 +57,24 @@ class LoadTicket:
     high: bool
     deadline: float | None  # monotonic; None: the planner has no estimate (the stores' timeouts bound it)
     epoch: int  # the cache's invalidation count when it began
+    started: float = 0.0  # monotonic: when the request began waiting (its deadline counts from there)
+    lookup: Future | None = None  # the lower tiers' lookup, until its answer started the loads
     tokens_by_tier: dict[str, int] = field(default_factory=dict)  # filled by finish: tokens loaded, by tier
     chain_blocks: list[int] = field(default_factory=list)  # filled by finish: the indexed prefix, device + loaded
     chain_hashes: list[bytes] = field(default_factory=list)
 
 
 class Loading:
-    def __init__(self, pool: BlockPool, tiers: TierManager, block_size: int,
+    def __init__(self, pool: BlockPool, tiers: TierManager, block_size: int, before_write: Callable[[], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = pool
+        self._before_write = before_write
         self._tiers = tiers
         self._transfers = tiers.transfers
         self._block_size = block_size
         self._clock = clock
         self._tickets: dict[str, LoadTicket] = {}
+        self._early: dict[str, tuple[int, Future]] = {}  # request -> (its device pages then, its arrival's lookup)
 
     def __len__(self) -> int:
         return len(self._tickets)
@@ -65,46 +82,89 @@ class Loading:
     def __contains__(self, seq_id: object) -> bool:
         return seq_id in self._tickets
 
+    def look_ahead(self, seq_id: str, start: int, lookup: Callable[[], list[FoundChunk]]) -> None:
+        """Starts a request's lookup of the lower tiers as it arrives (the device holding its first `start`
+        pages), on a lookup worker: by its admission the answer is usually there."""
+        self._early[seq_id] = (start, self._transfers.look_up(lookup))
+
+    def forget(self, seq_id: str) -> None:
+        """Drops a request's early lookup (it left, or its admission no longer needs it)."""
+        self._early.pop(seq_id, None)
+
+    def look_up(self, seq_id: str, block_ids: list[int], block_hashes: list[bytes],
+                lookup: Callable[[], list[FoundChunk]], pending_tokens: int, high: bool, epoch: int) -> RestorePlan:
+        """Finds what the lower tiers hold past the device pages `block_ids`: the request's early lookup when it
+        started from the same page, else a new one, on a lookup worker. An answer already there starts the loads
+        at once; otherwise `seq_id` waits under a ticket (holding its device pages) until `ready` finds the
+        answer and starts them. Its deadline is the planner's estimate of computing its `pending_tokens`.
+        `seq_id in self` after it when it is looking up or loading; the plan of an answer already there."""
+        start, future = self._early.pop(seq_id, (None, None))
+        if start != len(block_ids):
+            future = self._transfers.look_up(lookup)
+        if future.done():
+            found = _found(future)
+            return self.begin(seq_id, block_ids, block_hashes, found, high, epoch) if found else NOTHING_BELOW
+        recompute_s = self._tiers.planner.recompute_s(pending_tokens)
+        now = self._clock()
+        self._pool.touch(block_ids, high)
+        self._tickets[seq_id] = LoadTicket(list(block_ids), list(block_hashes), [], NOTHING_BELOW, high,
+                                           None if recompute_s is None else now + recompute_s, epoch,
+                                           started=now, lookup=future)
+        return NOTHING_BELOW
+
     def begin(self, seq_id: str, block_ids: list[int], block_hashes: list[bytes], below: list,
-              high: bool, epoch: int, before_write: Callable[[], None]) -> RestorePlan:
+              high: bool, epoch: int) -> RestorePlan:
         """Starts loading the chunks `below` that continue the device pages `block_ids`, under a ticket for
         `seq_id` unless nothing is loaded (the planner prefers recomputing, or there are no pages for the
-        first chunk). Returns the restore plan.
-        `before_write` runs after pages were taken and before any load writes into them (evicted pages
-        are saved below first)."""
-        plan = self._tiers.planner.plan(self._costs(len(block_ids), below))
+        first chunk). Returns the restore plan."""
         self._pool.touch(block_ids, high)  # before any allocation: they are idle, the allocation could take them
-        loads: list[ChunkLoad] = []
-        on_device = len(block_ids)
+        t = LoadTicket(list(block_ids), list(block_hashes), [], NOTHING_BELOW, high, None, epoch, started=self._clock())
+        self._start_loads(seq_id, t, below)
+        if t.loads:
+            self._tickets[seq_id] = t
+        else:
+            self._pool.release(block_ids, high)
+        return t.plan
+
+    def _start_loads(self, seq_id: str, t: LoadTicket, below: list[FoundChunk]) -> None:
+        """Plans the found chunks and submits the loads the plan keeps, as pages allow; the deadline is the
+        planner's estimate of recomputing them, from when the request began waiting. `before_write` runs
+        after pages were taken and before any load writes into them (evicted pages are saved below first)."""
+        t.plan = plan = self._tiers.planner.plan(self._costs(len(t.device_blocks), below))
+        on_device = len(t.device_blocks)
         for found in below[: plan.num_chunks]:
             skip = on_device - found.span.first_page if found is below[0] else 0
             load = self._transfers.find(found, skip)
             if load is not None:
                 self._transfers.join(load, seq_id)
             else:
-                pages = self._pool.allocate(found.span.num_pages - skip, high)
+                pages = self._pool.allocate(found.span.num_pages - skip, t.high)
                 if pages is None:
                     break
-                before_write()
-                load = self._transfers.submit(seq_id, found, skip, pages, high)
-            loads.append(load)
-        if not loads:
-            self._pool.release(block_ids, high)
-        else:
-            deadline = None if plan.recompute_s is None else self._clock() + plan.recompute_s
-            self._tickets[seq_id] = LoadTicket(list(block_ids), list(block_hashes), loads, plan, high, deadline, epoch)
-        return plan
+                self._before_write()
+                load = self._transfers.submit(seq_id, found, skip, pages, t.high)
+            t.loads.append(load)
+        t.deadline = None if plan.recompute_s is None else t.started + plan.recompute_s
 
     def ready(self, seq_id: str) -> bool:
-        """Every load of its ticket finished, or its deadline passed."""
+        """Its lookup answered and every load it started finished, or its deadline passed. Call between steps:
+        a lookup that answered starts its loads here."""
         t = self._tickets[seq_id]
-        return all(load.done for load in t.loads) or (t.deadline is not None and self._clock() > t.deadline)
+        if t.lookup is not None and t.lookup.done():  # its plan is made even when late: the reply reports it
+            found, t.lookup = _found(t.lookup), None
+            if found:
+                self._start_loads(seq_id, t, found)
+        if t.deadline is not None and self._clock() > t.deadline:
+            return True
+        return t.lookup is None and all(load.done for load in t.loads)
 
     def finish(self, seq_id: str, epoch: int) -> LoadTicket:
         """Ends a ready ticket: indexes what arrived in order (unless an invalidation came in between) and
         lets go of every page it held. Call right before the request adopts its prefix."""
         t = self._tickets.pop(seq_id)
         blocks, hashes = list(t.device_blocks), list(t.device_hashes)
+        if t.lookup is not None:  # its deadline passed while looking up: it computes everything past the device
+            self._transfers.stats.loads_past_deadline += 1
         for load in t.loads:
             tier = load.tier() if load.done else None
             if tier is None or epoch != t.epoch:
@@ -166,3 +226,14 @@ class Loading:
             on_device = found.span.first_page + found.span.num_pages
             costs.append(ChunkCost(found.tier, pages * self._tiers.bytes_per_page, pages * self._block_size))
         return costs
+
+
+def _found(lookup: Future) -> list[FoundChunk]:
+    """A finished lookup's chunks; none when it failed (its tokens are computed)."""
+    try:
+        return lookup.result(timeout=0)
+    except CancelledError:
+        return []
+    except Exception:  # the worker would swallow it; a failed lookup only costs a recompute
+        log.exception("looking up KV chunks below the device failed")
+        return []

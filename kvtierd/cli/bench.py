@@ -441,6 +441,67 @@ def bench_qos(
     write_json(json_path, f)
 
 
+@bench_app.command("stall")
+def bench_stall(
+    prompt_tokens: Annotated[int, typer.Option(help="Tokens of the long prompt loaded from below.")] = 2560,
+    streams: Annotated[int, typer.Option(help="Chat streams decoding while it loads.")] = 3,
+    stream_reply: Annotated[int, typer.Option(help="Tokens of each stream request.")] = 256,
+    head_start: Annotated[float, typer.Option(help="Seconds the streams run before the load.")] = 6.0,
+    redis_delay_ms: Annotated[float, typer.Option(help="What the slow proxy adds to each Redis call.")] = 300.0,
+    kv_cache: Annotated[str, typer.Option(help="The daemons' device KV pool.")] = "512MiB",
+    scenarios: Annotated[str, typer.Option(help="Comma-separated, of: disk, remote, remote slow, "
+                                           "remote stopped.")] = "disk,remote,remote slow,remote stopped",
+    turn_tokens: Annotated[int, typer.Option(help="Stores: the long first turn's document tokens.")] = 1450,
+    turn_repeats: Annotated[int, typer.Option(help="Stores: next turns of each kind (median; 0: skip).")] = 2,
+    json_path: JsonOpt = None,
+) -> None:
+    """Running streams' ITL while another request's long prompt loads from disk or Redis (normal, slow, stopped),
+    and a next turn sent while the turn before it is stored, through real daemons on the socket."""
+    from kvtierd.bench.serve_bench import ServeBenchError
+    from kvtierd.bench.stall_bench import StallWorkload, run_stall_bench
+
+    w = StallWorkload(prompt_tokens=prompt_tokens, streams=streams, stream_reply_tokens=stream_reply,
+                      head_start_s=head_start, redis_delay_ms=redis_delay_ms, kv_cache=kv_cache,
+                      scenarios=tuple(x.strip() for x in scenarios.split(",") if x.strip()),
+                      turn_tokens=turn_tokens, turn_repeats=turn_repeats)
+    try:
+        f = run_stall_bench(w)
+    except ServeBenchError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    m = f["machine"]
+    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']} "
+               f"({m['torch_threads']} threads), {m['date']}; load average "
+               + " ".join(f"{x:.2f}" for x in f["load_average"]))
+
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:,.0f}"
+
+    rows = []
+    for r in f["scenarios"]:
+        a, b = r["without_load"], r["with_load"]
+        rows.append([r["scenario"], ", ".join(f"{t} {n}" for t, n in r["loaded_by_tier"].items()) or "none",
+                     f"{a['gaps']}/{b['gaps']}", *(ms(a[k]) + " / " + ms(b[k]) for k in ("p50_ms", "p99_ms", "max_ms")),
+                     "-" if r["itl_p99_x"] is None else f"{r['itl_p99_x']:.2f}", ms(r["ttft_load_ms"]),
+                     ms(r["ttft_recompute_ms"])])
+    print_table(f"running streams' ITL without / with a {w.prompt_tokens:,}-token prompt loading (ms; "
+                f"{w.streams} streams)",
+                ["scenario", "cached by tier", "gaps", "ITL p50", "p99", "max", "p99 x", "TTFT load",
+                 "TTFT recompute"], rows)
+    t = f["targets"]
+    typer.echo(f"window: the load request's TTFT; without: the same length right before it. Targets: ITL p99 <= "
+               f"{t['itl_p99_x']:g}x without; slow / stopped Redis: TTFT load <= recompute")
+    nt = f["next_turn"]
+    if nt is not None:
+        print_table(f"stores: a session's next turn after a {w.turn_tokens:,}-token first turn (TTFT ms, median of "
+                    f"{w.turn_repeats})",
+                    ["sent", "TTFT", "x later"],
+                    [["right after (its KV being stored)", ms(nt["right_after_ms"]), f"{nt['x']:.2f}"],
+                     [f"{f['workload']['turn_later_s']:g} s later", ms(nt["later_ms"]), "1.00"]])
+        typer.echo(f"target: right after <= {t['next_turn_x']:g}x later")
+    write_json(json_path, f)
+
+
 @bench_app.command("qos-engine")
 def bench_qos_engine(
     kv_pages: Annotated[int, typer.Option(help="Device KV budget in pages of 16 tokens.")] = 64,

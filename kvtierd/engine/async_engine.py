@@ -130,9 +130,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         while True:
             if not self.engine.has_unfinished():
-                if self._idle_work_due:
-                    self._idle_work_due = False
-                    await self._idle_work()
+                if self._idle_work_due:  # a slice at a time: a request arriving meanwhile is stepped next
+                    self._idle_work_due = await self._idle_work()
                     continue
                 self._wake.clear()
                 await self._wake.wait()
@@ -154,13 +153,14 @@ class AsyncEngine:
                     refused = out.finish_reason in (FinishReason.REJECTED, FinishReason.SHED)
                     q.put_nowait(self._overloaded(out.finish_reason) if refused else out)
 
-    async def _idle_work(self) -> None:
-        """The idle engine's work, on the step thread like a step."""
+    async def _idle_work(self) -> bool:
+        """A slice of the idle engine's work, on the step thread like a step; True while more is due."""
         self._stepping = True
         try:
-            await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.on_idle)
+            return await asyncio.get_running_loop().run_in_executor(self._executor, self.engine.on_idle)
         except Exception:  # e.g. no device memory for a compaction's copy (nothing moved then): the loop goes on
             log.exception("the engine's idle work failed")
+            return False
         finally:
             self._end_stepping()
 

@@ -111,6 +111,7 @@ class LLMEngine:
         self.counters = EngineCounters()
         self.snapshot = EngineSnapshot()
         self._ids = itertools.count()
+        self._idle_saved: int | None = None  # pages the watermark covered in this idle spell; None: none yet
 
     # -- requests -------------------------------------------------------------
 
@@ -168,7 +169,8 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         if self.config.enable_prefix_caching:
-            self.kv.prefetch(req.cache_root, req.prompt_token_ids)  # chunks on disk or remote start moving up now
+            # Chunks on disk or remote start moving up now, and its lookup of the lower tiers starts.
+            self.kv.prefetch(req.cache_root, req.prompt_token_ids, request_id)
         self.counters.requests += 1
         self.counters.prompt_tokens += req.num_prompt_tokens
         self._take_snapshot()
@@ -239,6 +241,7 @@ class LLMEngine:
     # -- stepping -------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        self._idle_saved = None  # the next idle spell starts its work afresh
         try:
             return self._step()
         finally:
@@ -377,13 +380,23 @@ class LLMEngine:
         self.counters.compacted_pages += len(plan.copies)
         return CompactionResult(len(plan.copies), plan.before, self.kv.fragmentation(), time.perf_counter() - t0)
 
-    def on_idle(self) -> None:
-        """Work for the step thread once no request is left: a compaction if the pages are fragmented,
-        then the free-page watermark: the chunks of the idle pages that the next step's allocations would
-        evict (a step's token budget of pages) are saved to the host tier now, so those evictions copy
-        nothing."""
-        self.compact_if_fragmented()
-        self.kv.save_ahead(-(-self.config.max_num_batched_tokens // self.config.block_size))
+    def on_idle(self) -> bool:
+        """Work for the step thread once no request is left, one slice per call, so a request arriving meanwhile
+        waits for one slice at most: first a compaction if the pages are fragmented, then the free-page
+        watermark, a chunk per call: the chunks of the idle pages that the next step's allocations would evict
+        (a step's token budget of pages) are saved to the host tier now, so those evictions copy nothing; last,
+        the pages of stores whose copy out is made go back. True while more is due (call again while idle)."""
+        self.kv.reap_stores()  # stores whose copy out is made let go of their pages
+        if self._idle_saved is None:  # the first slice of this idle spell
+            self.compact_if_fragmented()
+            self._idle_saved = 0
+            return self.tiers is not None
+        if self.tiers is not None and self._idle_saved < -(-self.config.max_num_batched_tokens // self.config.block_size):
+            self._idle_saved += self.tiers.chunk_pages
+            self.kv.save_ahead(self._idle_saved)
+            return True
+        self.kv.reap_stores(wait=True)  # the last slice: what the stores still copy is done in a moment
+        return False
 
     def compact_if_fragmented(self) -> CompactionResult | None:
         """Compacts an idle engine whose free-space or sequence fragmentation reached `compact_threshold`."""

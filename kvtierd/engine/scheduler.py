@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import BlockHash, hash_full_blocks
-from kvtierd.cache.kv_cache_manager import NO_HIT, Allocation, KVCacheManager, on_device
+from kvtierd.cache.kv_cache_manager import NO_HIT, Allocation, KVCacheManager
 from kvtierd.engine.config import QOS_CLASSES, QosConfig
 from kvtierd.engine.qos_queue import QosQueue, TenantKey
 from kvtierd.engine.request import Request
@@ -327,13 +327,12 @@ class Scheduler:
             ticket = kv.finish_load(req.request_id)
             restore, by_tier = ticket.plan, ticket.tokens_by_tier
             req.prefix_loaded = True
-        hit = kv.find_prefix(req.cache_root, req.token_ids, req.session_id, below=not req.prefix_loaded) \
+        if self.enable_prefix_caching and not req.prefix_loaded:
+            restore = kv.look_below(req.request_id, req.cache_root, req.token_ids, req.high)
+            if kv.loading is not None and req.request_id in kv.loading:
+                return False  # its lookup (and loads) run off the step: it waits in `loading`
+        hit = kv.find_prefix(req.cache_root, req.token_ids, req.session_id, below=False) \
             if self.enable_prefix_caching else NO_HIT
-        if hit.below:
-            restore = kv.begin_load(req.request_id, hit, req.high)
-            if req.request_id in kv.loading:
-                return False
-            hit = on_device(hit, kv.block_size)
         hit = kv.adopt_prefix(req.request_id, hit, req.tag, req.high)
         req.num_computed_tokens = hit.num_tokens
         if req.num_cached_tokens < 0:  # what the client is told: the first admission's hit

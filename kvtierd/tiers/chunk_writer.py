@@ -66,10 +66,11 @@ class ChunkWriter:
         with self._lock:
             self.num_dropped += n
 
-    def submit(self, key: bytes, identity: ChunkIdentity, kv: torch.Tensor, cataloged: bool = False) -> None:
-        """Queues a chunk: its key, identity and KV (a CPU tensor); ask `has_room` first. `cataloged` (disk
-        only): a session's turn wrote it, and the SQL catalog will name it."""
-        nbytes = kv.numel() * kv.element_size()
+    def submit(self, key: bytes, identity: ChunkIdentity, kv: torch.Tensor | Future, cataloged: bool = False) -> None:
+        """Queues a chunk: its key, identity and KV (a CPU tensor, or the future of its copy out of the device);
+        ask `has_room` first. `cataloged` (disk only): a session's turn wrote it, and the SQL catalog will
+        name it."""
+        nbytes = identity.payload_nbytes
         with self._lock:
             self._pending[key] = nbytes
             self._pending_bytes += nbytes
@@ -92,10 +93,11 @@ class ChunkWriter:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
 
-    def _write(self, chunks: list[tuple[bytes, ChunkIdentity, torch.Tensor]], cataloged: bool) -> None:
+    def _write(self, chunks: list[tuple[bytes, ChunkIdentity, torch.Tensor | Future]], cataloged: bool) -> None:
         stored = False
         t0 = time.perf_counter()
         try:
+            chunks = [(key, identity, kv.result() if isinstance(kv, Future) else kv) for key, identity, kv in chunks]
             items = [(key, encode_frame(identity, kv.reshape(-1).view(torch.uint8).numpy(), codec=self.codec))
                      for key, identity, kv in chunks]
             put = (lambda: self.store.put_many(items, cataloged=True)) if cataloged else \

@@ -138,6 +138,8 @@ class TierManager:
         self.pins: dict[str, TierPin] = {}  # pin id -> what it holds below the device
         # Loads run here, off the engine's step: the cache manager submits them and collects them between steps.
         self.transfers = TransferQueue(self.load, self.bytes_per_page, self.transfer_stats)
+        # Stores' copies out of the device, off the step: one thread, in submission order.
+        self._store_copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtierd-store-copy")
 
     @property
     def bytes_per_page(self) -> int:
@@ -431,16 +433,22 @@ class TierManager:
         self._save(copies, host=True, disk=lambda c: False, remote=lambda c: False)
         return self.counts["host"].writes - before
 
-    def write_turn(self, copies: Sequence[ChunkCopy], session: bool) -> tuple[bytes, ...]:
+    def write_turn(self, copies: Sequence[ChunkCopy], session: bool,
+                   copied: list[Future] | None = None) -> tuple[bytes, ...]:
         """Saves a finished request's chunks: a session's turn to disk and the fleet, so the session outlives a
         restart, a crash or its host; any other request's prompt to the fleet, when it shares every request.
         The copy out of the device happens now; encoding and storing on the writers' threads (a chunk the
         disk writer has no room for is dropped and counted).
 
         Returns the disk keys of a session turn's chunks (stored, or queued now and marked cataloged) for the
-        SQL catalog to name; the startup reconciliation (`reconcile`) settles what a crash left half done."""
+        SQL catalog to name; the startup reconciliation (`reconcile`) settles what a crash left half done.
+
+        Given `copied`, the copy out of the device is not made now but on the store-copy thread: a future per
+        chunk copied goes to `copied`, and the caller keeps the chunks' pages referenced until each is done
+        (nothing may write into them before)."""
         _, disk_keys = self._save(copies, host=False, disk=lambda c: session,
-                                  remote=lambda c: session or self.shares_every_request, cataloged=True)
+                                  remote=lambda c: session or self.shares_every_request, cataloged=True,
+                                  copied=copied)
         return tuple(disk_keys)
 
     def write_through(self, copies: Sequence[ChunkCopy]) -> bool:
@@ -452,7 +460,7 @@ class TierManager:
 
     def _save(self, copies: Sequence[ChunkCopy], host: bool, disk: Callable[[ChunkCopy], bool],
               remote: Callable[[ChunkCopy], bool], stop_when_full: bool = False,
-              cataloged: bool = False) -> tuple[bool, list[bytes]]:
+              cataloged: bool = False, copied: list[Future] | None = None) -> tuple[bool, list[bytes]]:
         """Returns whether every copy was taken (False only with `stop_when_full`), and the disk keys of the
         copies the disk has or will have."""
         done, disk_keys = True, []
@@ -485,7 +493,11 @@ class TierManager:
                 self.counts["host"].writes += 1
             if not (to_disk or to_remote):
                 continue
-            kv = self._pages.gather(c.block_ids)
+            if copied is None:
+                kv: torch.Tensor | Future = self._pages.gather(c.block_ids)
+            else:  # the writers take the copy when it is made: stored -> copying -> queued to write
+                kv = self._store_copier.submit(self._pages.gather, c.block_ids)
+                copied.append(kv)
             if to_disk:  # one transaction per chunk: chunks are megabytes
                 self._writer.submit(key, identity, kv, cataloged=cataloged)
             if to_remote:
@@ -607,6 +619,7 @@ class TierManager:
 
     def close(self) -> None:
         self.transfers.close()
+        self._store_copier.shutdown(wait=True)
         self._prefetcher.shutdown(wait=True, cancel_futures=True)
         for writer in (self._writer, self._remote_writer):
             if writer is not None:

@@ -7,6 +7,11 @@
     ... steps go on ...
     done(load) / wait()   <---finished---  (the future is set)
 
+Lookups (which chunks the lower tiers hold: a host probe, an LMDB read on the
+disk writer's thread, a Redis EXISTS) run here too, on threads of their own
+(`look_up`), so a slow or dead Redis never holds a step, and a lookup never
+queues behind another request's loads.
+
 A load is keyed by its chunk's last hash and the pages it skips: a second
 request needing the same chunk joins the load under way (`find` + `join`)
 instead of reading it again. A load has waiters (request ids); when the last
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 from kvtierd.tiers.chunk import FoundChunk
 
 TRANSFER_WORKERS = 2  # two loads of different chunks run side by side: one request never waits behind another's
+LOOKUP_WORKERS = 2  # lookups of two requests run side by side: one stuck on a dead Redis does not hold the other
 # Upper bounds (seconds) of the transfer-time histogram's buckets.
 TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
@@ -104,6 +110,8 @@ class TransferQueue:
         self._bytes_per_page = bytes_per_page
         self.num_workers = workers
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtierd-transfer")
+        self._lookup_pool = ThreadPoolExecutor(max_workers=LOOKUP_WORKERS, thread_name_prefix="kvtierd-lookup")
+        self._lookups = 0  # lookups not finished yet (under `_finished`)
         self._in_flight: dict[tuple[bytes, int], ChunkLoad] = {}  # loads with waiters, until they leave
         self._abandoned: list[ChunkLoad] = []  # nobody waits; their pages go once they finish
         self._finished = threading.Condition()
@@ -148,17 +156,37 @@ class TransferQueue:
             self._abandoned = [load for load in self._abandoned if not load.done]
         return done
 
+    @property
+    def num_lookups(self) -> int:
+        """Lookups queued or running."""
+        with self._finished:
+            return self._lookups
+
+    def look_up(self, fn: Callable[[], list[FoundChunk]]) -> Future:
+        """Runs a lookup of the lower tiers on a lookup worker; its future holds the chunks found."""
+        with self._finished:
+            self._lookups += 1
+        future = self._lookup_pool.submit(fn)
+        future.add_done_callback(self._lookup_done)
+        return future
+
+    def wait_lookups(self) -> None:
+        """Blocks until every lookup submitted so far has finished (tools and tests)."""
+        with self._finished:
+            self._finished.wait_for(lambda: self._lookups == 0)
+
     def run(self, fn: Callable[[], object]) -> Future:
         """Runs `fn` on a transfer worker (a barrier behind the loads queued before it)."""
         return self._pool.submit(fn)
 
     def wait(self, timeout_s: float) -> None:
-        """Blocks until a load finishes or `timeout_s` passes (the engine, with nothing to compute)."""
+        """Blocks until a load or lookup finishes or `timeout_s` passes (the engine, with nothing to compute)."""
         with self._finished:
-            if any(not load.done for load in self._in_flight.values()):
+            if self._lookups or any(not load.done for load in self._in_flight.values()):
                 self._finished.wait(timeout_s)
 
     def close(self) -> None:
+        self._lookup_pool.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _run(self, load: ChunkLoad) -> str | None:
@@ -168,6 +196,11 @@ class TransferQueue:
             self.stats.observe(load.found.tier, "load", time.perf_counter() - t0,
                                len(load.block_ids) * self._bytes_per_page)
         return tier
+
+    def _lookup_done(self, _: Future) -> None:
+        with self._finished:
+            self._lookups -= 1
+            self._finished.notify_all()
 
     def _notify(self, _: Future) -> None:
         with self._finished:

@@ -1,0 +1,404 @@
+"""`kvtierd bench stall`: do transfers below the device stall the requests that are running?
+
+Real `kvtierd serve` processes on Unix sockets, a real redis-server on loopback
+started by the bench, real streamed clients over the socket. First a writer
+daemon computes one long prompt (random token ids) twice: the fleet gets its
+chunks (remote admission all) and, at its SIGTERM, the disk too (a prefix hit
+once is flushed). Then, per scenario, a fresh daemon whose device and host
+tier hold nothing of it:
+
+    disk            the writer's state directory again, the remote tier off; data.mdb's pages dropped from
+                    the OS page cache (POSIX_FADV_DONTNEED) before it starts and before the load
+    remote          a new state directory, disk off: the prompt's KV is in Redis only
+    remote slow     the same through a TCP proxy that holds each Redis call `redis_delay_ms`
+    remote stopped  the same, redis-server stopped right before the load (the last scenario)
+
+In each, `streams` chat streams decode back to back; after `head_start_s`
+the long prompt is sent (the load), and once it answered, a fresh prompt of
+the same length (nothing cached: the recompute). The streams' inter-token
+gaps (ITL) are taken in the load window (from sending the long prompt to its
+first token) and in the window of the same length right before it:
+
+    streams   ─┬─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─┬─ ...
+               |<---- without load (same length) --->|<--- load window ---->|
+    long prompt                                      send              first token
+
+A gap belongs to the window its second token arrived in. Then, on the writer
+daemon (disk and remote on), the stores: a chat session's next turn sent right
+after a long first turn, while that turn's KV is written below behind it,
+beside another session's next turn sent `turn_later_s` later.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+import socket as socketlib
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import redis
+
+from kvtierd.bench.qos_bench import VOCAB_SPAN, machine_line
+from kvtierd.bench.reuse_bench import document, follow_up, questions
+from kvtierd.bench.serve_bench import ServeBenchError, async_client, percentile, started_daemon, story_prompts
+from kvtierd.model.bundled import bundled_gguf_path
+from kvtierd.model.tokenizer import ChatTokenizer
+
+SCENARIOS = ("disk", "remote", "remote slow", "remote stopped")
+TARGET_ITL_P99_X = 1.25  # running streams' ITL p99 during a load, at most this times their p99 without it
+TARGET_NEXT_TURN_X = 1.2  # a next turn sent right after a long turn, at most this times one sent later
+REDIS_START_S = 30.0  # a hang guard
+
+
+@dataclass(frozen=True, slots=True)
+class StallWorkload:
+    prompt_tokens: int = 2560
+    streams: int = 3
+    stream_reply_tokens: int = 256  # each stream sends requests of this many tokens back to back
+    head_start_s: float = 6.0  # the streams run this long before the load (the window without it fits in it)
+    redis_delay_ms: float = 300.0
+    kv_cache: str = "512MiB"
+    scenarios: tuple[str, ...] = SCENARIOS
+    turn_tokens: int = 1450  # the stores: the long first turn's document
+    turn_later_s: float = 6.0
+    turn_repeats: int = 2
+    seed: int = 0
+
+
+@dataclass(slots=True)
+class Streams:
+    """Arrival times of the streams' text chunks, per request (gaps are within one request)."""
+
+    arrivals: list[list[float]] = field(default_factory=list)
+    errors: int = 0
+
+    def gaps_ms(self, start: float, end: float) -> list[float]:
+        return [(b - a) * 1e3 for times in self.arrivals for a, b in zip(times, times[1:]) if start <= b < end]
+
+
+# -- the daemons' settings ------------------------------------------------------------------------------
+
+
+def _env(w: StallWorkload, *, host: bool = False, disk: bool, remote_url: str = "", secret: Path | None = None,
+         admission: str = "sessions") -> dict[str, str]:
+    env = {"KVTIERD_KV_CACHE_BYTES": w.kv_cache, "KVTIERD_LOG_LEVEL": "warning",
+           "KVTIERD_HOST_BYTES": "2GiB" if host else "0", "KVTIERD_DISK_BYTES": "16GiB" if disk else "0",
+           "KVTIERD_WARM_SESSIONS": "0", "KVTIERD_REMOTE_URL": remote_url, "KVTIERD_REMOTE_FLEET": "bench-stall",
+           "KVTIERD_REMOTE_ADMISSION": admission, "KVTIERD_QOS_MAX_QUEUE_S": "high=0,normal=0,low=0"}
+    if secret is not None:
+        env["KVTIERD_REMOTE_SECRET_FILE"] = str(secret)
+    return env
+
+
+# -- Redis: a server, and a proxy that makes it slow ----------------------------------------------------
+
+
+def _free_port() -> int:
+    with socketlib.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def redis_server(directory: Path) -> Iterator[subprocess.Popen]:
+    """A redis-server without persistence on a free loopback port (`.port` on the process)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise ServeBenchError("bench stall needs redis-server (apt-get install redis-server)")
+    port = _free_port()
+    process = subprocess.Popen([binary, "--bind", "127.0.0.1", "--port", str(port), "--save", "", "--appendonly",
+                                "no", "--dir", str(directory)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process.port = port  # type: ignore[attr-defined]
+    try:
+        deadline = time.monotonic() + REDIS_START_S
+        with redis.Redis(port=port, socket_timeout=1) as probe:
+            while True:
+                try:
+                    probe.ping()
+                    break
+                except redis.ConnectionError:
+                    if time.monotonic() > deadline or process.poll() is not None:
+                        raise ServeBenchError("redis-server did not start") from None
+                    time.sleep(0.02)
+        yield process
+    finally:
+        if process.poll() is None:
+            process.terminate()
+        process.wait(10)
+
+
+class SlowProxy:
+    """A TCP proxy on loopback, on a thread of its own, that holds each call `delay_s` before passing it to the
+    server: the first bytes a client sends after the server last answered it (a large value sent in many
+    reads is held once)."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self._target, self._delay = target_port, delay_s
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-slow-proxy", daemon=True)
+        self.port = 0
+
+    def __enter__(self) -> SlowProxy:
+        self._thread.start()
+        self._ready.wait()
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.port = server.sockets[0].getsockname()[1]
+        self._ready.set()
+        self._loop.run_forever()
+        server.close()
+
+    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        try:
+            server_r, server_w = await asyncio.open_connection("127.0.0.1", self._target)
+        except OSError:
+            client_w.close()
+            return
+        answered = [True]  # the server answered since the client last sent: its next bytes are a new call
+
+        async def up() -> None:
+            while data := await client_r.read(1 << 16):
+                if answered[0]:
+                    answered[0] = False
+                    await asyncio.sleep(self._delay)
+                server_w.write(data)
+                await server_w.drain()
+            server_w.close()
+
+        async def down() -> None:
+            while data := await server_r.read(1 << 16):
+                answered[0] = True
+                client_w.write(data)
+                await client_w.drain()
+            client_w.close()
+
+        await asyncio.gather(up(), down(), return_exceptions=True)
+
+
+# -- clients ----------------------------------------------------------------------------------------------
+
+
+async def _completion(client: httpx.AsyncClient, prompt: list[int]) -> tuple[float, dict]:
+    """One streamed completion of one token: TTFT (s) and the daemon's report (cached tokens by tier, restore)."""
+    body = {"prompt": prompt, "max_tokens": 1, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    first, info = None, {}
+    t0 = time.perf_counter()
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            raise ServeBenchError(f"the daemon answered {r.status_code}: {r.text[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                raise ServeBenchError(f"the stream ended with an error: {chunk['error']}")
+            if first is None and any(c.get("text") for c in chunk.get("choices", [])):
+                first = time.perf_counter()
+            info = chunk.get("kvtierd") or info
+    if first is None:
+        raise ServeBenchError("a completion carried no text")
+    return first - t0, info
+
+
+async def _chat(client: httpx.AsyncClient, messages: list[dict], max_tokens: int, session_id: str | None = None,
+                arrivals: list[float] | None = None) -> tuple[float, str]:
+    """One streamed chat completion: TTFT (s) and the reply; each text chunk's arrival goes to `arrivals`."""
+    body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if session_id is not None:
+        body["session_id"] = session_id
+    arrivals = [] if arrivals is None else arrivals
+    text = []
+    t0 = time.perf_counter()
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        if r.status_code != 200:
+            await r.aread()
+            raise ServeBenchError(f"the daemon answered {r.status_code}: {r.text[:300]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            for choice in json.loads(line[6:]).get("choices", []):
+                if content := choice.get("delta", {}).get("content"):
+                    arrivals.append(time.perf_counter())
+                    text.append(content)
+    if not arrivals:
+        raise ServeBenchError("a chat reply carried no text")
+    return arrivals[0] - t0, "".join(text)
+
+
+async def _stream_loop(socket: Path, prompts: list[str], reply_tokens: int, log: Streams) -> None:
+    async with async_client(socket) as client:
+        for prompt in prompts:
+            times: list[float] = []
+            log.arrivals.append(times)
+            try:
+                await _chat(client, [{"role": "user", "content": prompt}], reply_tokens, arrivals=times)
+            except (ServeBenchError, httpx.HTTPError):
+                log.errors += 1
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(*VOCAB_SPAN) for _ in range(n)]
+
+
+# -- one scenario -----------------------------------------------------------------------------------------
+
+
+async def _measure(socket: Path, w: StallWorkload, name: str, prompt: list[int], fresh: list[int],
+                   before_load=None) -> dict:
+    async with async_client(socket) as client:
+        await _chat(client, [{"role": "user", "content": "Say hello."}], 2)  # warm-up, not measured
+        log = Streams()
+        prompts = story_prompts(64 * w.streams, w.seed)
+        tasks = [asyncio.create_task(_stream_loop(socket, prompts[i::w.streams], w.stream_reply_tokens, log))
+                 for i in range(w.streams)]
+        t_start = time.perf_counter()
+        await asyncio.sleep(w.head_start_s)
+        if before_load is not None:
+            await asyncio.to_thread(before_load)
+        t_send = time.perf_counter()
+        ttft_load, info = await _completion(client, prompt)
+        t_first = t_send + ttft_load
+        await asyncio.sleep(0.5)
+        ttft_recompute, _ = await _completion(client, fresh)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    window = t_first - t_send
+    base_start = max(t_start + 1.0, t_send - window)  # the streams' first second is not steady yet
+    return {"scenario": name, "loaded_by_tier": {t: n for t, n in info.get("cached_tokens_by_tier", {}).items() if n},
+            "restore": info.get("restore"), "ttft_load_ms": ttft_load * 1e3, "ttft_recompute_ms": ttft_recompute * 1e3,
+            "window_ms": window * 1e3, "baseline_window_ms": (t_send - base_start) * 1e3,
+            "without_load": _itl(log.gaps_ms(base_start, t_send)), "with_load": _itl(log.gaps_ms(t_send, t_first)),
+            "stream_errors": log.errors}
+
+
+def _itl(gaps: list[float]) -> dict:
+    if not gaps:
+        return {"gaps": 0, "p50_ms": None, "p99_ms": None, "max_ms": None}
+    return {"gaps": len(gaps), "p50_ms": percentile(gaps, 50), "p99_ms": percentile(gaps, 99), "max_ms": max(gaps)}
+
+
+def _drop_page_cache(root: Path) -> None:
+    """Evicts the disk tier's LMDB data file from the OS page cache (the pages no process has mapped)."""
+    for path in root.rglob("data.mdb"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+# -- the stores: a next turn right after a long turn ------------------------------------------------------
+
+
+async def _next_turns(socket: Path, w: StallWorkload) -> dict:
+    tok = ChatTokenizer.from_gguf(bundled_gguf_path())
+    now, later = [], []
+    async with async_client(socket) as client:
+        await _chat(client, [{"role": "user", "content": "Say hello."}], 2)
+        for i in range(2 * w.turn_repeats):  # alternating: right after, then later
+            first = [{"role": "user", "content": f"{document(tok, w.turn_tokens, seed=100 + i)}\n\n{questions(1)[0]}"}]
+            sid = f"bench-stall-{w.seed}-{i}-{time.time_ns()}"
+            _, reply = await _chat(client, first, 8, session_id=sid)
+            if i % 2:
+                await asyncio.sleep(w.turn_later_s)
+            history = first + [{"role": "assistant", "content": reply}, {"role": "user", "content": follow_up(1)}]
+            ttft, _ = await _chat(client, history, 4, session_id=sid)
+            (later if i % 2 else now).append(ttft * 1e3)
+    out = {"right_after_ms": statistics.median(now), "later_ms": statistics.median(later),
+           "right_after_all_ms": now, "later_all_ms": later}
+    out["x"] = out["right_after_ms"] / out["later_ms"]
+    return out
+
+
+# -- the run ----------------------------------------------------------------------------------------------
+
+
+def run_stall_bench(w: StallWorkload) -> dict:
+    unknown = set(w.scenarios) - set(SCENARIOS)
+    if unknown or not w.scenarios:
+        raise ServeBenchError(f"scenarios must be among {', '.join(SCENARIOS)}")
+    if w.prompt_tokens < 32 or w.streams < 1:
+        raise ServeBenchError("the prompt needs at least 32 tokens and one stream")
+    rng = random.Random(w.seed)
+    prompt = _prompt(rng, w.prompt_tokens)
+    root = Path(tempfile.mkdtemp(prefix="kvtd-stall-", dir="/tmp"))  # short: socket paths fit sun_path
+    results: list[dict] = []
+    try:
+        secret = root / "fleet.secret"
+        secret.write_bytes(os.urandom(32))
+        with redis_server(root) as server:
+            url = f"redis://127.0.0.1:{server.port}"
+            writer = root / "w"
+            writer.mkdir()
+            with started_daemon(root=writer, env=_env(w, host=True, disk=True, remote_url=url, secret=secret,
+                                                      admission="all")) as sock:
+                asyncio.run(_store(sock, prompt))
+                turns = asyncio.run(_next_turns(sock, w)) if w.turn_repeats else None
+            for name in [s for s in SCENARIOS if s in w.scenarios]:
+                fresh = _prompt(random.Random(f"{w.seed}-{name}"), w.prompt_tokens)
+                if name == "disk":
+                    _drop_page_cache(writer)
+                    with started_daemon(root=writer, env=_env(w, disk=True)) as sock:
+                        results.append(asyncio.run(_measure(sock, w, name, prompt, fresh,
+                                                            lambda: _drop_page_cache(writer))))
+                    continue
+                own = root / name.replace(" ", "-")
+                own.mkdir()
+                stop = _stopper(server) if name == "remote stopped" else None
+                with _remote_url(name, server.port, w) as remote:
+                    with started_daemon(root=own, env=_env(w, disk=False, remote_url=remote, secret=secret)) as sock:
+                        results.append(asyncio.run(_measure(sock, w, name, prompt, fresh, stop)))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    for r in results:
+        base, load = r["without_load"]["p99_ms"], r["with_load"]["p99_ms"]
+        r["itl_p99_x"] = load / base if base and load is not None else None
+    return {"workload": asdict(w), "machine": machine_line(), "load_average": os.getloadavg(), "scenarios": results,
+            "next_turn": turns, "targets": {"itl_p99_x": TARGET_ITL_P99_X, "next_turn_x": TARGET_NEXT_TURN_X}}
+
+
+async def _store(socket: Path, prompt: list[int]) -> None:
+    """The long prompt computed (its chunks go to the fleet) and hit once (flushed to disk at SIGTERM)."""
+    async with async_client(socket) as client:
+        for _ in range(2):
+            await _completion(client, prompt)
+
+
+@contextmanager
+def _remote_url(name: str, port: int, w: StallWorkload) -> Iterator[str]:
+    if name != "remote slow":
+        yield f"redis://127.0.0.1:{port}"
+        return
+    with SlowProxy(port, w.redis_delay_ms / 1e3) as proxy:
+        yield f"redis://127.0.0.1:{proxy.port}"
+
+
+def _stopper(server: subprocess.Popen):
+    def stop() -> None:
+        server.terminate()
+        server.wait(10)
+    return stop
+
