@@ -8,7 +8,12 @@ run as DMA, and the budget is RAM the kernel can never swap out. Without CUDA it
 is ordinary pageable memory (`pinned` is False in the stats).
 
 When every slot is taken, a put reuses the least recently used slot that is not
-pinned (`pin`: a pinned value stays until unpinned or deleted). Copies run
+pinned (`pin`: a pinned value stays until unpinned or deleted). With shares
+(`share_by`), each value has an owner (its tenant's namespace) and the slot
+comes from the owner with the most slots per unit of weight, its least recently
+used value: a tenant's flood evicts its own values before another tenant's.
+With a cap (`limit_by`), an owner holding its cap in slots replaces its own least
+recently used value rather than take a free slot or another owner's. Copies run
 under the store's lock, so a slot is never rewritten while another thread reads it.
 
 Besides the ChunkStore calls (bytes in, bytes out), `write` and `read` hand the
@@ -21,7 +26,7 @@ what follows can then be viewed as any dtype.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
@@ -41,6 +46,7 @@ class _Slot:
     index: int  # row of the slab
     nbytes: int  # bytes of the value in it (a value may be shorter than the slot)
     offset: int = 0  # where the value starts in its row (see `write`)
+    owner: bytes = b""  # the tenant namespace it belongs to (shares); b"": unknown
 
 
 class HostStore:
@@ -59,6 +65,9 @@ class HostStore:
         self._index: OrderedDict[bytes, _Slot] = OrderedDict()  # least recently used first
         self._free = list(range(self.num_slots))
         self._pinned: set[bytes] = set()  # keys the LRU must pass over
+        self._weight: Callable[[bytes], float] | None = None  # an owner's weight; None: one LRU for all
+        self._owned: Counter[bytes] = Counter()  # slots holding a value, per owner
+        self._cap: Callable[[bytes], int | None] = lambda owner: None  # slots an owner may hold (None: any)
         self._lock = threading.Lock()
         self._closed = False
         self._used = 0
@@ -90,12 +99,15 @@ class HostStore:
                 return False
             # Keys being rewritten keep their slots, and are out of the LRU while the others take theirs.
             reused = {key: self._index.pop(key) for key in batch if key in self._index}
+            for slot in reused.values():
+                self._owned[slot.owner] -= 1
             for key, value in batch.items():
                 slot = reused.get(key) or self._take_slot()
                 self._used += len(value) - slot.nbytes
-                slot.nbytes, slot.offset = len(value), 0
+                slot.nbytes, slot.offset, slot.owner = len(value), 0, b""
                 self._rows[slot.index, : slot.nbytes] = np.frombuffer(value, dtype=np.uint8)
                 self._index[key] = slot
+                self._owned[b""] += 1
             self._num_puts += len(batch)
             return True
 
@@ -107,11 +119,25 @@ class HostStore:
                 slot = self._index.pop(key, None)
                 self._pinned.discard(key)
                 if slot is not None:
+                    self._owned[slot.owner] -= 1
                     self._release(slot)
                     deleted += 1
             return deleted
 
-    def write(self, key: bytes, nbytes: int, fill: Callable[[torch.Tensor], None], align_at: int = 0) -> None:
+    def share_by(self, weight: Callable[[bytes], float]) -> None:
+        """Evicts from the owner with the most slots per unit of `weight(owner)` first."""
+        self._weight = weight
+
+    def limit_by(self, cap_bytes: Callable[[bytes], int | None]) -> None:
+        """An owner may hold at most `cap_bytes(owner)` bytes of slots (None: no cap); at least one slot."""
+        self._cap = lambda owner: None if (c := cap_bytes(owner)) is None else max(1, c // self.slot_bytes)
+
+    def slots_by_owner(self) -> dict[bytes, int]:
+        with self._lock:
+            return {owner: n for owner, n in self._owned.items() if n}
+
+    def write(self, key: bytes, nbytes: int, fill: Callable[[torch.Tensor], None], align_at: int = 0,
+              owner: bytes = b"") -> None:
         """Stores a value of `nbytes` that `fill` writes in place into the flat uint8 tensor it is given
         (the slot itself, under the store's lock). The value's byte `align_at` lands on a 64-byte boundary.
         The slot must have room for the value and up to ALIGN - 1 bytes before it. If `fill` raises, the
@@ -119,10 +145,14 @@ class HostStore:
         self._check_size(nbytes + ALIGN - 1)
         with self._lock:
             self._check_open()
-            slot = self._index.pop(key, None) or self._take_slot()
+            slot = self._index.pop(key, None)
+            if slot is not None:
+                self._owned[slot.owner] -= 1
+            else:
+                slot = self._take_own(owner) or self._take_slot()
             offset = (-(self._slab.data_ptr() + slot.index * self.slot_bytes + align_at)) % ALIGN
             self._used -= slot.nbytes
-            slot.nbytes, slot.offset = 0, offset
+            slot.nbytes, slot.offset, slot.owner = 0, offset, owner
             try:
                 fill(self._slab[slot.index, offset : offset + nbytes])
             except BaseException:
@@ -131,6 +161,7 @@ class HostStore:
             self._used += nbytes
             slot.nbytes = nbytes
             self._index[key] = slot
+            self._owned[owner] += 1
             self._num_puts += 1
 
     def read(self, key: bytes, use: Callable[[torch.Tensor], T]) -> T | None:
@@ -195,8 +226,29 @@ class HostStore:
         victim = next((key for key in self._index if key not in self._pinned), None)
         if victim is None:  # the pin budget (a share of the slots) keeps this from happening
             raise StoreUnavailableError("every host slot is pinned")
+        if self._weight is not None:
+            # Owners by slots per weight, most first; the first with an unpinned value gives its oldest.
+            for owner in sorted(self._owned, key=lambda o: -self._owned[o] / self._weight(o)):
+                victim = next((k for k, s in self._index.items() if s.owner == owner and k not in self._pinned), None)
+                if victim is not None:
+                    break
         self._num_evictions += 1
-        return self._index.pop(victim)
+        slot = self._index.pop(victim)
+        self._owned[slot.owner] -= 1
+        return slot
+
+    def _take_own(self, owner: bytes) -> _Slot | None:
+        """The owner's least recently used slot when it holds its cap, else None. Caller holds the lock."""
+        cap = self._cap(owner)
+        if cap is None or self._owned[owner] < cap:
+            return None
+        victim = next((k for k, s in self._index.items() if s.owner == owner and k not in self._pinned), None)
+        if victim is None:
+            return None
+        self._num_evictions += 1
+        slot = self._index.pop(victim)
+        self._owned[owner] -= 1
+        return slot
 
     def _release(self, slot: _Slot) -> None:
         self._used -= slot.nbytes
