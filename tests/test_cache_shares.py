@@ -179,3 +179,16 @@ def test_the_host_tier_evicts_the_flooding_tenant_first():
     assert host.contains_prefix([b"doc-1", b"doc-2"]) == 2  # 2 of 6 slots: under its share of 3
     assert host.slots_by_owner() == {b"quiet": 2, b"noisy": 4}
     assert host.contains_prefix([b"flood-9"]) == 1 and host.contains_prefix([b"flood-5"]) == 0  # its oldest went
+
+
+def test_a_tenant_at_its_host_limit_replaces_its_own_chunks():
+    from kvtierd.storage.host_store import HostStore
+
+    host = HostStore(capacity_bytes=6 * 128, slot_bytes=128)
+    host.limit_by({b"capped": 2 * 128}.get)  # [qos] tenant_limits host: 2 slots' worth
+    host.write(b"other-1", 8, lambda out: out.fill_(1), owner=b"other")
+    for i in range(5):
+        host.write(b"capped-%d" % i, 8, lambda out: out.fill_(1), owner=b"capped")
+    assert host.slots_by_owner() == {b"other": 1, b"capped": 2}  # free slots are left; its own oldest went
+    assert host.contains_prefix([b"capped-3", b"capped-4"]) == 2 and host.contains_prefix([b"capped-2"]) == 0
+    assert host.stats().num_evictions == 3
