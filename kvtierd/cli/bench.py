@@ -476,6 +476,8 @@ def bench_tenants(
     typer.echo(f"targets with shares: host off, device hits >= {f['device_target']:.0%} of alone: "
                f"{'met' if t['device_hits_host_off'] else 'NOT met'}; host on, device + host >= "
                f"{f['memory_target']:.0%} of alone: {'met' if t['memory_hits_host_on'] else 'NOT met'}")
+    under = ", ".join(f"{r['run']} {r['evictions_under_share']}" for r in f["runs"] if r["run"] != "alone")
+    typer.echo(f"device pages evicted from a tenant under its share (host off, then on): {under}")
     for tier, split in f["ttft_split_p50"].items():
         typer.echo(f"TTFT p50 over alone ({tier}): {split['flood_compute_ms']:,.0f} ms the flood's compute (shares on), "
                    f"{split['lost_cache_ms']:,.0f} ms more from the lost cache (shares off)")
