@@ -472,10 +472,13 @@ def bench_tenants(
                   f"{r['host_hit_rate']:.1%}" if r["host_tier"] else "-",
                   f"{(r['memory_vs_alone'] if r['host_tier'] else r['device_vs_alone']):.1%}",
                   f"{r['ttft_p50_ms']:,.0f}", f"{r['ttft_p95_ms']:,.0f}"] for r in f["runs"]])
+    def verdict(met: bool | None) -> str:
+        return "n/a (no hits alone: raise --rounds)" if met is None else "met" if met else "NOT met"
+
     t = f["targets"]
     typer.echo(f"targets with shares: host off, device hits >= {f['device_target']:.0%} of alone: "
-               f"{'met' if t['device_hits_host_off'] else 'NOT met'}; host on, device + host >= "
-               f"{f['memory_target']:.0%} of alone: {'met' if t['memory_hits_host_on'] else 'NOT met'}")
+               f"{verdict(t['device_hits_host_off'])}; host on, device + host >= {f['memory_target']:.0%} of alone: "
+               f"{verdict(t['memory_hits_host_on'])}")
     under = ", ".join(f"{r['run']} {r['evictions_under_share']}" for r in f["runs"] if r["run"] != "alone")
     typer.echo(f"device pages evicted from a tenant under its share (host off, then on): {under}")
     for tier, split in f["ttft_split_p50"].items():
