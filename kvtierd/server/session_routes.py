@@ -49,9 +49,10 @@ async def create_session(request: web.Request) -> web.Response:
     priority = _optional_str(body, "priority") or "normal"
     if priority not in PRIORITIES:
         raise bad_request(f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
+    session_id = session_id_param(body, "id")  # a bad body is a 400 before any limit
     await check_session_room(request["tenant"], limits_of(state.settings.tenant_limits, request["tenant"]),
                              state.store.list_sessions)
-    session = await state.db(state.store.create_session, request["tenant"], session_id=session_id_param(body, "id"),
+    session = await state.db(state.store.create_session, request["tenant"], session_id=session_id,
                              system_prompt=_optional_str(body, "system_prompt"),
                              title=_optional_str(body, "title"), qos_class=priority)
     return web.json_response(session_json(session), status=201)
