@@ -12,7 +12,13 @@ pinned (`pin`: a pinned value stays until unpinned or deleted) and not being
 read. Writes copy under the store's lock; `read` hands its slot to the caller
 outside the lock, so loads of different chunks copy side by side, and a slot
 being read is never rewritten: a put or delete of its key meanwhile takes
-another slot, and the old one is freed when its last reader is done.
+another slot, and the old one is freed when its last reader is done. With
+shares (`share_by`), each value has an owner (its tenant's namespace) and the
+slot comes from the owner with the most slots per unit of weight, its least
+recently used value: a tenant's flood evicts its own values before another
+tenant's. With a cap (`limit_by`), an owner holding its cap in slots replaces
+its own least recently used value rather than take a free slot or another
+owner's.
 
 Besides the ChunkStore calls (bytes in, bytes out), `write` and `read` hand the
 caller a view of the slot itself, so the tier manager copies KV between device
@@ -44,6 +50,7 @@ class _Slot:
     index: int  # row of the slab
     nbytes: int  # bytes of the value in it (a value may be shorter than the slot)
     offset: int = 0  # where the value starts in its row (see `write`)
+    owner: bytes = b""  # the tenant namespace it belongs to (shares); b"": unknown
 
 
 class HostStore:
@@ -64,6 +71,9 @@ class HostStore:
         self._pinned: set[bytes] = set()  # keys the LRU must pass over
         self._readers: Counter[int] = Counter()  # slot index -> `read` calls copying from it now
         self._retired: dict[int, _Slot] = {}  # slots dropped while being read: freed when the readers are done
+        self._weight: Callable[[bytes], float] | None = None  # an owner's weight; None: one LRU for all
+        self._owned: Counter[bytes] = Counter()  # slots holding a value, per owner
+        self._cap: Callable[[bytes], int | None] = lambda owner: None  # slots an owner may hold (None: any)
         self._lock = threading.Lock()
         self._closed = False
         self._used = 0
@@ -94,14 +104,15 @@ class HostStore:
                 self._num_rejected += 1
                 return False
             # Keys being rewritten keep their slots, and are out of the LRU while the others take theirs.
-            reused = {key: slot for key in batch if (slot := self._index.pop(key, None)) is not None
+            reused = {key: slot for key in batch if (slot := self._unindex(key)) is not None
                       and not self._retire_if_read(slot)}
             for key, value in batch.items():
                 slot = reused.get(key) or self._take_slot()
                 self._used += len(value) - slot.nbytes
-                slot.nbytes, slot.offset = len(value), 0
+                slot.nbytes, slot.offset, slot.owner = len(value), 0, b""
                 self._rows[slot.index, : slot.nbytes] = np.frombuffer(value, dtype=np.uint8)
                 self._index[key] = slot
+                self._owned[b""] += 1
             self._num_puts += len(batch)
             return True
 
@@ -110,14 +121,27 @@ class HostStore:
             self._check_open()
             deleted = 0
             for key in keys:
-                slot = self._index.pop(key, None)
+                slot = self._unindex(key)
                 self._pinned.discard(key)
                 if slot is not None:
                     self._retire(slot)
                     deleted += 1
             return deleted
 
-    def write(self, key: bytes, nbytes: int, fill: Callable[[torch.Tensor], None], align_at: int = 0) -> None:
+    def share_by(self, weight: Callable[[bytes], float]) -> None:
+        """Evicts from the owner with the most slots per unit of `weight(owner)` first."""
+        self._weight = weight
+
+    def limit_by(self, cap_bytes: Callable[[bytes], int | None]) -> None:
+        """An owner may hold at most `cap_bytes(owner)` bytes of slots (None: no cap); at least one slot."""
+        self._cap = lambda owner: None if (c := cap_bytes(owner)) is None else max(1, c // self.slot_bytes)
+
+    def slots_by_owner(self) -> dict[bytes, int]:
+        with self._lock:
+            return {owner: n for owner, n in self._owned.items() if n}
+
+    def write(self, key: bytes, nbytes: int, fill: Callable[[torch.Tensor], None], align_at: int = 0,
+              owner: bytes = b"") -> None:
         """Stores a value of `nbytes` that `fill` writes in place into the flat uint8 tensor it is given
         (the slot itself, under the store's lock). The value's byte `align_at` lands on a 64-byte boundary.
         The slot must have room for the value and up to ALIGN - 1 bytes before it. If `fill` raises, the
@@ -125,12 +149,12 @@ class HostStore:
         self._check_size(nbytes + ALIGN - 1)
         with self._lock:
             self._check_open()
-            slot = self._index.pop(key, None)
+            slot = self._unindex(key)
             if slot is None or self._retire_if_read(slot):
-                slot = self._take_slot()
+                slot = self._take_own(owner) or self._take_slot()
             offset = (-(self._slab.data_ptr() + slot.index * self.slot_bytes + align_at)) % ALIGN
             self._used -= slot.nbytes
-            slot.nbytes, slot.offset = 0, offset
+            slot.nbytes, slot.offset, slot.owner = 0, offset, owner
             try:
                 fill(self._slab[slot.index, offset : offset + nbytes])
             except BaseException:
@@ -139,6 +163,7 @@ class HostStore:
             self._used += nbytes
             slot.nbytes = nbytes
             self._index[key] = slot
+            self._owned[owner] += 1
             self._num_puts += 1
 
     def read(self, key: bytes, use: Callable[[torch.Tensor], T]) -> T | None:
@@ -210,12 +235,41 @@ class HostStore:
         """A free slot, or the least recently used one (its value is evicted). Caller holds the lock."""
         if self._free:
             return _Slot(self._free.pop(), 0)
-        victim = next((key for key, slot in self._index.items()
-                       if key not in self._pinned and slot.index not in self._readers), None)
+        victim = None
+        if self._weight is not None:
+            # Owners by slots per weight, most first; the first with an evictable value gives its oldest.
+            for owner in sorted(self._owned, key=lambda o: -self._owned[o] / self._weight(o)):
+                if (victim := self._oldest_evictable(owner)) is not None:
+                    break
+        if victim is None:
+            victim = self._oldest_evictable()
         if victim is None:  # the pin budget (a share of the slots) keeps this from happening
             raise StoreUnavailableError("every host slot is pinned or being read")
         self._num_evictions += 1
-        return self._index.pop(victim)
+        return self._unindex(victim)
+
+    def _take_own(self, owner: bytes) -> _Slot | None:
+        """The owner's least recently used slot when it holds its cap, else None. Caller holds the lock."""
+        cap = self._cap(owner)
+        if cap is None or self._owned[owner] < cap:
+            return None
+        victim = self._oldest_evictable(owner)
+        if victim is None:
+            return None
+        self._num_evictions += 1
+        return self._unindex(victim)
+
+    def _oldest_evictable(self, owner: bytes | None = None) -> bytes | None:
+        """The least recently used key (of `owner`, when given) neither pinned nor being read."""
+        return next((key for key, slot in self._index.items() if (owner is None or slot.owner == owner)
+                     and key not in self._pinned and slot.index not in self._readers), None)
+
+    def _unindex(self, key: bytes) -> _Slot | None:
+        """Takes a key's slot out of the index (and its owner's count); None when absent."""
+        slot = self._index.pop(key, None)
+        if slot is not None:
+            self._owned[slot.owner] -= 1
+        return slot
 
     def _retire(self, slot: _Slot) -> None:
         """Frees a slot whose key is gone, or once its readers are done."""

@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from fake_clock import FakeClock
 
 from kvtierd.cache.block_hash import namespace_root
+from kvtierd.cache.cache_shares import CacheShares
 from kvtierd.cache.eviction import EVICTION_POLICIES, make_policy
 from kvtierd.cache.kv_cache_manager import KVCacheManager, PrefixHit
 from kvtierd.engine.config import EngineConfig
@@ -228,13 +229,16 @@ class EvictionMachine(RuleBasedStateMachine):
     page that follows it in its chain."""
 
     policy = "lru"
+    shares = False  # on: one policy per tenant, the tenant furthest above its share first (cache/cache_shares.py)
     TTL = 5.0
 
     def __init__(self) -> None:
         super().__init__()
         self.clock = FakeClock(0.0)
+        shares = CacheShares({"tenant-b": 2.0}, self.shares)
+        shares.name(ROOT_B, "tenant-b")
         self.kv = KVCacheManager(num_blocks=8, block_size=3, eviction_policy=self.policy,
-                                 prefix_ttl_s=self.TTL, clock=self.clock, public_root=ROOT_P)
+                                 prefix_ttl_s=self.TTL, clock=self.clock, public_root=ROOT_P, shares=shares)
         self.cells: dict[int, int] = {}  # slot -> token id: the "device"
         self.history: dict[str, list[int]] = {}
         self.roots: dict[str, bytes] = {}
@@ -418,9 +422,15 @@ class CostMachine(EvictionMachine):
     policy = "cost"
 
 
+class SharedLFUMachine(EvictionMachine):
+    policy = "lfu"
+    shares = True
+
+
 TestLRU = LRUMachine.TestCase
 TestLFU = LFUMachine.TestCase
 TestCost = CostMachine.TestCase
-for _case in (TestLRU, TestLFU, TestCost):
+TestSharedLFU = SharedLFUMachine.TestCase
+for _case in (TestLRU, TestLFU, TestCost, TestSharedLFU):
     _case.settings = MACHINE_SETTINGS
 del _case  # else pytest collects the loop variable as one more test class

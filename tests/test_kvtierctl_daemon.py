@@ -63,3 +63,24 @@ def test_sessions_ls_show_rm(daemon):
     assert removed.returncode == 0 and sid in removed.stdout
     missing = ctl(daemon, "sessions", "show", sid)
     assert missing.returncode == 1 and missing.stderr.startswith("error:") and "Traceback" not in missing.stderr
+
+
+def test_tiers_by_tenant_and_the_under_share_counter(daemon):
+    for tenant in ("shares-quiet", "shares-noisy"):
+        with daemon.client(**{"X-Kvtierd-Tenant": tenant}) as c:
+            r = c.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": f"The {tenant} tenant's own document. " * 6}],
+                "max_tokens": 2, "temperature": 0, "retention": {"priority": 5, "duration_s": 3600}})
+            assert r.status_code == 200
+    data = ctl_json(daemon, "tiers")
+    assert data["tiers"][0]["pages_retained"] >= 4  # both documents' pages, held ahead of ordinary ones
+    assert data["cache_shares"] is True
+    rows = {t["tenant"]: t for t in data["tenants"]}
+    for tenant in ("shares-quiet", "shares-noisy"):
+        assert rows[tenant]["device_pages"] >= 2 and rows[tenant]["weight"] == 1.0 and rows[tenant]["share_pages"] > 0
+    table = ctl(daemon, "tiers", "--tenant")
+    assert table.returncode == 0 and "shares-quiet" in table.stdout and "Under share" in table.stdout
+    with daemon.client() as c:
+        metrics = c.get("/metrics").text
+    assert "kvtierd_cache_evictions_under_share_total " in metrics
+    assert "shares-quiet" not in metrics  # tenants are never labels

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from kvtierd.server.tenant_limits import TenantLimits
 from kvtierd.server.settings import SETTINGS, Setting, SettingsError, load_settings, parse_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -88,6 +89,13 @@ SAMPLES: dict[str, tuple[tuple[Any, Any], tuple[str, Any], tuple[Any, Any]]] = {
                        ("bob=NORMAL", {"bob": "normal"})),
     "tenant_max_classes": (("batch=low", {"batch": "low"}), ("a=normal,b=high", {"a": "normal", "b": "high"}),
                            ("", {})),
+    "cache_shares": ((False, False), ("on", True), ("false", False)),
+    "tenant_cache_weights": (("alice=2,batch=0.5", {"alice": 2.0, "batch": 0.5}), ("", {}), ("bob=3", {"bob": 3.0})),
+    "tenant_limits": (("alice=sessions:2 host:1MiB", {"alice": TenantLimits(sessions=2, host=1 << 20)}), ("", {}),
+                      ("*=inflight:4", {"*": TenantLimits(inflight=4)})),
+    "instance": (("gpu0", "gpu0"), ("gpu1", "gpu1"), ("", "")),
+    "tenants": (("alice, bob", ("alice", "bob")), ("", ()), ("carol", ("carol",))),
+    "placement": (("carol=gpu1", {"carol": "gpu1"}), ("", {}), ("a=gpu0,b=gpu1", {"a": "gpu0", "b": "gpu1"})),
     "model_cache_dir": (("/tmp/mc", Path("/tmp/mc")), ("off", None), ("/var/cache/kvtierd", Path("/var/cache/kvtierd"))),
     "store_url": (("sqlite:////tmp/a.db", "sqlite:////tmp/a.db"), ("sqlite:////tmp/b.db", "sqlite:////tmp/b.db"),
                   ("postgresql+psycopg://kv@/kvtierd", "postgresql+psycopg://kv@/kvtierd")),
@@ -188,6 +196,12 @@ BAD_VALUES = [
     ("step_budget_hold_s", "-1"),
     ("reserved_share", "1.5"),
     ("tenant_classes", "alice=top"),
+    ("tenant_cache_weights", "alice=0"),
+    ("tenant_cache_weights", "alice"),
+    ("tenant_limits", "alice=sessions:0"),
+    ("tenant_limits", "alice=disk:1GiB"),
+    ("tenant_limits", "alice"),
+    ("placement", "carol"),
     ("max_body_bytes", "lots"),
     ("kv_cache_bytes", "1PiB"),
     ("block_size", "big"),

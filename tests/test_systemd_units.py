@@ -94,7 +94,10 @@ def differ(unit: str, other: str) -> set[str]:
 
 def test_the_per_gpu_units_differ_only_in_gpu_socket_and_state():
     assert differ("kvtierd.service", "kvtierd@.service") == {
-        "Description", "Requires", "After", "ExecStart", "StateDirectory", "Environment"}
+        "Description", "Requires", "After", "ExecStart", "StateDirectory", "Environment", "EnvironmentFile"}
+    # Placement: each instance is named by its GPU and may read its own settings (its tenants).
+    assert "Environment=KVTIERD_INSTANCE=gpu%i" in directives("kvtierd@.service")
+    assert "EnvironmentFile=-/etc/kvtierd/gpu%i.env" in directives("kvtierd@.service")
     assert differ("kvtierd.socket", "kvtierd@.socket") == {"Description", "ListenStream"}
     assert "ListenStream=/run/kvtierd/gpu%i.sock" in directives("kvtierd@.socket")
     assert ("ExecStart=/usr/bin/kvtierd serve --config /etc/kvtierd/kvtierd.toml --device cuda:%i "

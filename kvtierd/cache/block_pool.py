@@ -53,8 +53,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvtierd.cache.block_hash import BlockHash
-from kvtierd.cache.eviction import EvictionCounts, EvictionPolicy, IdlePage, make_policy
+from kvtierd.cache.cache_shares import CacheShares, ShareEviction
+from kvtierd.cache.eviction import EvictionCounts, IdlePage
 from kvtierd.cache.reserved_region import ReservedRegion
+from kvtierd.cache.retention import RetainedUntil, RetainingPolicy, Retention
 
 
 HOUR_S = 3600.0
@@ -92,6 +94,7 @@ class BlockPool:
         prefix_ttl_s: float = 0.0,
         clock: Callable[[], float] = time.monotonic,
         prefix_min_hits_per_hour: float = 0.0,
+        shares: CacheShares | None = None,
     ) -> None:
         if num_blocks < 1:
             raise ValueError("the KV cache needs at least one page; raise the KV budget")
@@ -106,7 +109,15 @@ class BlockPool:
         # Free pages: never-used ones (no hash) in their own queue, taken first;
         # idle cached ones in the policy, and in release order for expiry.
         self._uncached: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._policy: EvictionPolicy = make_policy(eviction_policy)
+        # Tenants' pages and counts; with shares on, eviction takes from the tenant furthest above its share.
+        self.shares = shares if shares is not None else CacheShares(enabled=False)
+        # Inside a tenant (or the pool), pages with a running retention hint go after the others.
+        def retaining() -> RetainingPolicy:
+            return RetainingPolicy(eviction_policy, clock)
+
+        self._policy: ShareEviction | RetainingPolicy = ShareEviction(retaining, self.shares) \
+            if self.shares.enabled else retaining()
+        self.retained: dict[int, RetainedUntil] = {}  # page -> the retention hint it keeps, until it ends
         self._idle_cached: OrderedDict[int, None] = OrderedDict()  # oldest release first
         self._release_seq = 0
         self._rate_sweep: list[int] = []  # idle pages left to check against the hit-rate floor
@@ -114,7 +125,6 @@ class BlockPool:
         self._by_hash: dict[BlockHash, int] = {}
         self._cached: dict[int, CachedPage] = {}
         self._children: dict[BlockHash, set[int]] = {}
-        self._root_pages: Counter[BlockHash] = Counter()
         self.tags: dict[int, set[str]] = {}
         self._tagged: dict[str, set[int]] = {}
         self.hits: dict[int, int] = {}
@@ -136,6 +146,11 @@ class BlockPool:
     def num_free_blocks(self) -> int:
         """Pages allocation may take: never used, or cached with no reference."""
         return len(self._uncached) + len(self._policy)
+
+    @property
+    def num_retained_blocks(self) -> int:
+        """Idle cached pages whose retention hint still runs (they go after the others)."""
+        return self._policy.num_retained
 
     @property
     def num_pinned_blocks(self) -> int:
@@ -168,7 +183,7 @@ class BlockPool:
         return self._by_hash.get(block_hash)
 
     def has_namespace(self, root: BlockHash) -> bool:
-        return self._root_pages[root] > 0
+        return self.shares.cached[root] > 0
 
     def allocate(self, n: int, high: bool = False) -> list[int] | None:
         """Takes `n` free pages with ref count 1, or None if the class may take fewer (see the reserve)."""
@@ -181,7 +196,13 @@ class BlockPool:
             else:
                 b = self._policy.pop()
                 del self._idle_cached[b]
-                self.evictions.capacity += self._evict_for_capacity(b)
+                root = self._cached[b].root
+                counts = self.shares.counts_of(root)
+                under = self.shares.is_under_share(root)
+                n = self._evict_for_capacity(b)
+                self.evictions.capacity += n
+                counts.evictions += n
+                counts.evictions_under_share += n if under else 0
             assert self._ref_counts[b] == 0, f"free page {b} still referenced"
             self._ref_counts[b] = 1
             self.generation[b] += 1
@@ -216,14 +237,21 @@ class BlockPool:
                 self._add_high(b)
             if b in self._cached:
                 self.hits[b] = self.hits.get(b, 0) + 1
+                self.shares.counts_of(self._cached[b].root).hits += 1
                 self.last_access[b] = now
 
-    def release(self, block_ids: Sequence[int], high: bool = False) -> None:
+    def release(self, block_ids: Sequence[int], high: bool = False, retention: Retention | None = None) -> None:
         """Drops one reference from each page; pages reaching zero become free (unless pinned).
 
         Give a sequence's pages in order: they are released tail first, so the
-        end of a chain is evicted before its shared beginning."""
+        end of a chain is evicted before its shared beginning. `retention`: the
+        indexed ones keep the hint (the strongest of the hints given) until it ends."""
         now = self._clock()
+        if retention is not None:
+            hint = RetainedUntil(retention.priority, now + retention.duration_s)
+            for b in block_ids:
+                if b in self._cached:
+                    self.retained[b] = hint.merged(self.retained.get(b))
         for b in reversed(block_ids):
             assert self._ref_counts[b] > 0, f"releasing unowned page {b}"
             self._ref_counts[b] -= 1
@@ -268,7 +296,7 @@ class BlockPool:
         self.last_access[b] = now
         self._release_seq += 1
         self._policy.add(IdlePage(b, page.block_hash, page.parent_hash, page.depth, self.hits.get(b, 0),
-                                  self._release_seq))
+                                  self._release_seq, page.root, self.retained.get(b)))
         self._idle_cached[b] = None
 
     def cache(
@@ -296,7 +324,7 @@ class BlockPool:
         self._cached[block_id] = CachedPage(block_hash, root, tuple(tokens), depth, parent if depth > 0 else None, now)
         if depth > 0:
             self._children.setdefault(parent, set()).add(block_id)
-        self._root_pages[root] += 1
+        self.shares.add_page(root)
         self.last_access[block_id] = now
 
     def tag(self, block_ids: Sequence[int], tag: str) -> None:
@@ -330,6 +358,7 @@ class BlockPool:
 
         Past the TTL: the oldest released first. Under the hit-rate floor: a
         bounded part of a sweep over the idle pages each call."""
+        self._policy.decay()  # retention hints that ended: those pages are ordinary again
         if not (self.prefix_ttl_s or self.prefix_min_hits_per_hour):
             return 0
         now = self._clock() if now is None else now
@@ -438,6 +467,7 @@ class BlockPool:
         self.tags = {new_id[b]: tags for b, tags in self.tags.items()}
         self._tagged = {tag: {new_id[b] for b in pages} for tag, pages in self._tagged.items()}
         self.hits = {new_id[b]: n for b, n in self.hits.items()}
+        self.retained = {new_id[b]: r for b, r in self.retained.items()}
         self.last_access = {new_id[b]: t for b, t in self.last_access.items()}
         self._pins = Counter({new_id[b]: n for b, n in self._pins.items()})
 
@@ -535,12 +565,13 @@ class BlockPool:
                     siblings.discard(b)
                     if not siblings:
                         del self._children[page.parent_hash]
-            self._root_pages[page.root] -= 1
+            self.shares.remove_page(page.root)
             for tag in self.tags.pop(b, ()):
                 self._tagged[tag].discard(b)
                 if not self._tagged[tag]:
                     del self._tagged[tag]
             self.hits.pop(b, None)
+            self.retained.pop(b, None)
             self.last_access.pop(b, None)
             self.generation[b] += 1
             if b in self._idle_cached:

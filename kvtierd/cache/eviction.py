@@ -34,8 +34,12 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtierd.cache.block_hash import BlockHash
+
+if TYPE_CHECKING:
+    from kvtierd.cache.retention import RetainedUntil
 
 EVICTION_POLICIES = ("lru", "lfu", "cost")
 
@@ -50,6 +54,8 @@ class IdlePage:
     depth: int  # position in its chain: 0 for the first page
     hits: int  # times a request adopted it from the cache
     released: int  # release order: larger is more recent
+    root: BlockHash = BlockHash(b"")  # its namespace (tenant): cache shares order tenants by it
+    retained: RetainedUntil | None = None  # a soft-retention hint still running when it went idle (cache/retention.py)
 
 
 @dataclass(slots=True)

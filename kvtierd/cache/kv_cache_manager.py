@@ -54,12 +54,14 @@ from dataclasses import dataclass, field, replace
 
 from kvtierd.cache.block_hash import BlockHash, hash_full_blocks, rebase
 from kvtierd.cache.block_pool import BlockPool
+from kvtierd.cache.cache_shares import CacheShares
 from kvtierd.cache.compaction import CompactionPlan, plan_compaction, rename_pages
 from kvtierd.cache.loading import LoadTicket, Loading
 from kvtierd.cache.fragmentation import Fragmentation, PageUse, measure, page_use
 from kvtierd.cache.page_table import PageTable
 from kvtierd.cache.pins import Pin, PinBudgetError, PinError, Pins
 from kvtierd.cache.reserved_region import ReservedRegion
+from kvtierd.cache.retention import Retention
 from kvtierd.cache.session_pool import SessionChain, SessionKey, SessionPools
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, FoundChunk, spans_of
 from kvtierd.tiers.restore_planner import NOTHING_BELOW, RestorePlan
@@ -121,11 +123,12 @@ class KVCacheManager:
         tiers: TierManager | None = None,
         reserve: ReservedRegion | None = None,
         pin_budget_pages: int = 0,
+        shares: CacheShares | None = None,
     ) -> None:
         self.block_size = block_size
         self.hash_algorithm = hash_algorithm
         self.public_root = public_root  # the namespace every tenant may hit; None: no public prefixes
-        self.pool = BlockPool(num_blocks, eviction_policy, prefix_ttl_s, clock, prefix_min_hits_per_hour)
+        self.pool = BlockPool(num_blocks, eviction_policy, prefix_ttl_s, clock, prefix_min_hits_per_hour, shares)
         self.tiers = tiers  # host and disk below the device; None: the device only
         if tiers is not None:
             self.pool.chunk_pages = tiers.chunk_pages
@@ -137,6 +140,7 @@ class KVCacheManager:
         self.loading = Loading(self.pool, tiers, block_size, self.demote_evicted) if tiers is not None else None
         self._invalidations = 0  # a load begun before an invalidation indexes nothing
         self._storing: list[tuple[list[Future], list[int]]] = []  # stores being copied out, and the pages they hold
+        self._retention: dict[str, Retention] = {}  # sequence -> its soft-retention hint (cache/retention.py)
 
     @property
     def num_free_blocks(self) -> int:
@@ -689,14 +693,20 @@ class KVCacheManager:
             parent.own_from, parent.high
         )
 
-    def free(self, seq_id: str) -> None:
-        """Returns a sequence's pages, and abandons its loads; a no-op for a sequence that holds none."""
+    def retain(self, seq_id: str, retention: Retention) -> None:
+        """A soft-retention hint for the pages `seq_id` releases, each time it does, until it is finished."""
+        self._retention[seq_id] = retention
+
+    def free(self, seq_id: str, finished: bool = False) -> None:
+        """Returns a sequence's pages, and abandons its loads; a no-op for a sequence that holds none.
+        `finished`: it will not come back (a preempted one does), so its retention hint goes too."""
         if self.loading is not None:
             self.loading.cancel(seq_id)
             self.loading.forget(seq_id)
         table = self._tables.pop(seq_id, None)
+        retention = self._retention.pop(seq_id, None) if finished else self._retention.get(seq_id)
         if table is not None:
-            self.pool.release(table.block_ids, table.high)
+            self.pool.release(table.block_ids, table.high, retention)
 
 
 def on_device(hit: PrefixHit, block_size: int) -> PrefixHit:

@@ -499,6 +499,56 @@ def bench_stall(
                     [["right after (its KV being stored)", ms(nt["right_after_ms"]), f"{nt['x']:.2f}"],
                      [f"{f['workload']['turn_later_s']:g} s later", ms(nt["later_ms"]), "1.00"]])
         typer.echo(f"target: right after <= {t['next_turn_x']:g}x later")
+
+
+@bench_app.command("tenants")
+def bench_tenants(
+    kv_pages: Annotated[int, typer.Option(help="Device KV pool in pages of 16 tokens.")] = 128,
+    host_pages: Annotated[int, typer.Option(help="The host tier's slab in pages (the host-tier runs).")] = 128,
+    rounds: Annotated[int, typer.Option(help="Rounds: one quiet request and the flood's prompts each.")] = 12,
+    noisy_per_round: Annotated[int, typer.Option(help="Flood prompts (unique, long) per round.")] = 3,
+    noisy_tokens: Annotated[int, typer.Option(help="Tokens per flood prompt.")] = 256,
+    doc_tokens: Annotated[int, typer.Option(help="Tokens per hot document of the quiet tenant.")] = 256,
+    threads: Annotated[int, typer.Option(help="torch threads (1: steady timings on a shared machine).")] = 1,
+    model: Annotated[Optional[str], typer.Option()] = None,
+    json_path: JsonOpt = None,
+) -> None:
+    """A quiet tenant's hits and TTFT under a noisy tenant's flood: cache shares on and off, host tier off and on."""
+    import os
+
+    import torch
+
+    from kvtierd.bench.qos_bench import machine_line
+    from kvtierd.bench.tenants_bench import TenantsWorkload, run_tenants_bench
+    from kvtierd.model.loader import load_model
+
+    torch.set_num_threads(threads)
+    w = TenantsWorkload(kv_pages=kv_pages, host_pages=host_pages, rounds=rounds, noisy_per_round=noisy_per_round,
+                        noisy_tokens=noisy_tokens, doc_tokens=doc_tokens)
+    f = run_tenants_bench(load_model(model), w)
+    m = f["machine"] = machine_line()
+    f["load_average"] = os.getloadavg()
+    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']} "
+               f"({m['torch_threads']} threads), {m['date']}, load average {f['load_average'][0]:.2f}")
+    print_table(f"The quiet tenant under a flood of {f['workload']['flood_x_pool']:.1f}x the device pool "
+                "(engine time)",
+                ["host tier", "run", "device hit", "host hit", "vs alone", "p50 ms", "p95 ms"],
+                [["on" if r["host_tier"] else "off", r["run"], f"{r['device_hit_rate']:.1%}",
+                  f"{r['host_hit_rate']:.1%}" if r["host_tier"] else "-",
+                  f"{(r['memory_vs_alone'] if r['host_tier'] else r['device_vs_alone']):.1%}",
+                  f"{r['ttft_p50_ms']:,.0f}", f"{r['ttft_p95_ms']:,.0f}"] for r in f["runs"]])
+    def verdict(met: bool | None) -> str:
+        return "n/a (no hits alone: raise --rounds)" if met is None else "met" if met else "NOT met"
+
+    t = f["targets"]
+    typer.echo(f"targets with shares: host off, device hits >= {f['device_target']:.0%} of alone: "
+               f"{verdict(t['device_hits_host_off'])}; host on, device + host >= {f['memory_target']:.0%} of alone: "
+               f"{verdict(t['memory_hits_host_on'])}")
+    under = ", ".join(f"{r['run']} {r['evictions_under_share']}" for r in f["runs"] if r["run"] != "alone")
+    typer.echo(f"device pages evicted from a tenant under its share (host off, then on): {under}")
+    for tier, split in f["ttft_split_p50"].items():
+        typer.echo(f"TTFT p50 over alone ({tier}): {split['flood_compute_ms']:,.0f} ms the flood's compute (shares on), "
+                   f"{split['lost_cache_ms']:,.0f} ms more from the lost cache (shares off)")
     write_json(json_path, f)
 
 

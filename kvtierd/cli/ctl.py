@@ -101,9 +101,11 @@ def status(ctx: typer.Context) -> None:
 
 
 @app.command()
-def tiers(ctx: typer.Context) -> None:
+def tiers(ctx: typer.Context,
+          tenant: Annotated[bool, typer.Option("--tenant", help="Each tenant's cached pages, share, hits and "
+                                                                 "evictions instead.")] = False) -> None:
     """Capacity, use and hit rate of each KV-cache tier."""
-    _run(ctx, "GET", "/admin/tiers", render=render_tiers)
+    _run(ctx, "GET", "/admin/tiers", render=render_tenants if tenant else render_tiers)
 
 
 @app.command()
@@ -257,6 +259,10 @@ def render_status(data: dict[str, Any]) -> Table:
             ("State", "draining" if data["draining"] else "serving"),
             ("Uptime", _duration(data["uptime_s"])),
             ("Socket", data["socket"]),
+            ("Instance", data.get("instance") or "—"),
+            # Placement: the tenants placed on this instance, and whom else it serves ([server] tenants).
+            ("Tenants placed here", ", ".join(data.get("placed_here") or []) or "—"),
+            ("Tenants served", ", ".join(data.get("tenants") or []) or "all not placed elsewhere"),
             ("State dir", data["state_dir"]),
             ("Model", model["name"]),
             ("Fingerprint", model["fingerprint"]),
@@ -303,6 +309,18 @@ def render_tiers(data: dict[str, Any]) -> Table:
     ]
     for label, cell in rows:
         _row(table, label, *(cell(tier) for tier in tiers))
+    return table
+
+
+def render_tenants(data: dict[str, Any]) -> Table:
+    tenants = data.get("tenants", [])
+    shares = "on" if data.get("cache_shares") else "off"
+    table = Table(title=f"KV cache by tenant (shares {shares})", caption=None if tenants else "no tenant has cached pages")
+    for label in ("Tenant", "Weight", "Device pages", "Share", "Hits", "Evictions", "Under share", "Host chunks"):
+        table.add_column(label, justify="left" if label == "Tenant" else "right", no_wrap=True)
+    for t in tenants:
+        _row(table, t["tenant"], f"{t['weight']:g}", _count(t["device_pages"]), f"{t['share_pages']:g}",
+             _count(t["hits"]), _count(t["evictions"]), _count(t["evictions_under_share"]), _count(t["host_chunks"]))
     return table
 
 

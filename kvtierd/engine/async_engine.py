@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TypeVar
 
+from kvtierd.cache.retention import Retention
 from kvtierd.engine.errors import EngineStoppedError, OverloadedError
 from kvtierd.engine.llm_engine import LLMEngine
 from kvtierd.engine.request import FinishReason, RequestOutput
@@ -63,6 +64,7 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = "",
         session_id: str | None = None, tag: str | None = None, qos_class: str = "normal",
+        retention: Retention | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; leaving the iteration early cancels it.
 
@@ -74,7 +76,8 @@ class AsyncEngine:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
-        self._edit(lambda: self._add(queue, prompt_token_ids, params, request_id, tenant, session_id, tag, qos_class))
+        self._edit(lambda: self._add(queue, prompt_token_ids, params, request_id, tenant, session_id, tag, qos_class,
+                                     retention))
         finished = False
         try:
             while True:
@@ -91,9 +94,11 @@ class AsyncEngine:
                 self._edit(lambda: self.engine.abort_request(request_id))
 
     def _add(self, queue: asyncio.Queue, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
-             tenant: str, session_id: str | None, tag: str | None, qos_class: str) -> None:
+             tenant: str, session_id: str | None, tag: str | None, qos_class: str,
+             retention: Retention | None = None) -> None:
         try:
-            self.engine.add_request(prompt_token_ids, params, request_id, tenant, session_id, tag, qos_class)
+            self.engine.add_request(prompt_token_ids, params, request_id, tenant, session_id, tag, qos_class,
+                                    retention)
         except Exception as e:  # reaches the caller instead of leaving it waiting
             queue.put_nowait(e)
 

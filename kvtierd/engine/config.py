@@ -30,6 +30,12 @@ class QosConfig:
     reserved_max_share: float = 0.5  # ceiling of the resizing reserve
     reserved_window_s: float = 0.0  # resize from the p99 of high's page use over this window (0: fixed)
     pin_share: float = 0.25  # of the device pages, pins may hold
+    # Eviction takes first from the tenants above their weighted share of the cached pages (cache/cache_shares.py);
+    # a tenant not named weighs 1. Off: one policy orders every tenant's pages.
+    cache_shares: bool = True
+    tenant_cache_weights: dict[str, float] = field(default_factory=dict)
+    # Bytes of host-tier chunks a tenant may hold ("*": any tenant not named); at it, its own oldest chunk goes.
+    tenant_host_bytes: dict[str, int] = field(default_factory=dict)
     # Time-bounded steps (engine/scheduler.py): while a request of a class is present, lower classes' work in a
     # step is cut so the step's planned cost stays within this many ms (None: auto, the class's own work plus
     # what a step of one decode costs; 0: off). Low's has no effect: no class is below it. Off for an engine built directly; the
@@ -50,6 +56,8 @@ class QosConfig:
                 raise ValueError(f"qos {name} needs a value >= 0 for each of {', '.join(QOS_CLASSES)}")
         if min(self.weights.values()) <= 0 or self.aging_s <= 0:
             raise ValueError("qos weights and aging_s must be positive")
+        if any(not w > 0 for w in self.tenant_cache_weights.values()):
+            raise ValueError("qos tenant_cache_weights must be positive")
         if self.shed_low_after_s < 0:
             raise ValueError("qos shed_low_after_s must be 0 (off) or positive")
         shares = (self.reserved_min_share, self.reserved_share, self.reserved_max_share)

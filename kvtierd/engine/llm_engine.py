@@ -13,10 +13,12 @@ import time
 from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import namespace_root
+from kvtierd.cache.cache_shares import CacheShares
 from kvtierd.cache.compaction import CompactionResult
 from kvtierd.cache.kv_cache_manager import KVCacheManager, SessionView
 from kvtierd.cache.pins import Pin
 from kvtierd.cache.reserved_region import ReservedRegion
+from kvtierd.cache.retention import Retention
 from kvtierd.engine.config import QOS_CLASSES, EngineConfig, QosConfig
 from kvtierd.engine.errors import RequestError
 from kvtierd.engine.model_runner import ModelRunner
@@ -88,14 +90,21 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         self.pool = DeviceKVPool(self.geometry, num_blocks, loaded.model.device)
         self.namespaces: dict[bytes, str] = {}  # cache root -> tenant, for reports
+        self.cache_shares = CacheShares(config.qos.tenant_cache_weights, config.qos.cache_shares)
         self.tiers = TierManager(config.tiers, self.pool, loaded.fingerprint) if config.tiers is not None else None
+        if self.tiers is not None and self.tiers.host is not None and self.cache_shares.enabled:
+            self.tiers.host.share_by(self.cache_shares.weight)  # the host tier's slots are shared the same way
+        caps = config.qos.tenant_host_bytes
+        if self.tiers is not None and self.tiers.host is not None and caps:
+            names = self.cache_shares.names
+            self.tiers.host.limit_by(lambda root: caps.get(names.get(root, ""), caps.get("*")))
         self.kv = KVCacheManager(num_blocks, config.block_size, config.eviction_policy, config.prefix_ttl_s,
                                  hash_algorithm=config.hash_algorithm,
                                  prefix_min_hits_per_hour=config.prefix_min_hits_per_hour,
                                  session_idle_ttl_s=config.session_idle_ttl_s,
                                  public_root=self._root(PUBLIC_NAMESPACE), tiers=self.tiers,
                                  reserve=reserved_region(config.qos, num_blocks),
-                                 pin_budget_pages=int(config.qos.pin_share * num_blocks))
+                                 pin_budget_pages=int(config.qos.pin_share * num_blocks), shares=self.cache_shares)
         # What a step costs, as measured: the scheduler's time-bounded steps. A quantized mode's steps past
         # a few tokens run the dense matrices (model/llama.py): a cost of their own.
         model = loaded.model
@@ -146,11 +155,13 @@ class LLMEngine:
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = "",
         session_id: str | None = None, tag: str | None = None, qos_class: str = "normal",
+        retention: Retention | None = None,
     ) -> str:
         """Queues a request; its KV is shared only with requests of the same tenant (and
         public prefixes are shared with all). A request of a session starts from the
         session's context pool and leaves its own there; `tag` marks its prefix's pages;
-        `qos_class` (high, normal, low) orders admission and preemption."""
+        `qos_class` (high, normal, low) orders admission and preemption; `retention` keeps its pages
+        ahead of ordinary ones in eviction for a while (cache/retention.py)."""
         self.validate(prompt_token_ids, params, qos_class)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -167,6 +178,8 @@ class LLMEngine:
             qos_class=qos_class,
         )
         self.requests[request_id] = req
+        if retention is not None:
+            self.kv.retain(request_id, retention)
         self.scheduler.add(req)
         if self.config.enable_prefix_caching:
             # Chunks on disk or remote start moving up now, and its lookup of the lower tiers starts.
@@ -233,6 +246,7 @@ class LLMEngine:
     def _root(self, tenant: str) -> bytes:
         root = namespace_root(self.loaded.fingerprint, tenant, self.config.hash_algorithm)
         self.namespaces.setdefault(root, tenant)
+        self.cache_shares.name(root, "public" if tenant == PUBLIC_NAMESPACE else tenant)
         return root
 
     def has_unfinished(self) -> bool:

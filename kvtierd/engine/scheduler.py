@@ -140,7 +140,7 @@ class Scheduler:
             self.loading.remove(request)
         else:
             self.waiting.remove(request)
-        self.kv.free(request.request_id)  # a loading request's loads are abandoned
+        self.kv.free(request.request_id, finished=True)  # a loading request's loads are abandoned
 
     def schedule(self) -> StepPlan:
         plan = StepPlan(rejected=self.waiting.timed_out(self.max_queue_s),

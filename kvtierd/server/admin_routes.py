@@ -11,6 +11,7 @@ from kvtierd import __version__
 from kvtierd.cache.fragmentation import Fragmentation
 from kvtierd.server.chunk_catalog import CatalogReconciliation
 from kvtierd.server.errors import ApiError
+from kvtierd.server.placement import placed_here
 from kvtierd.server.session_routes import drop_session_kv, message_json, query_limit, session_json, session_tenant
 from kvtierd.server.state import STATE, DaemonState
 from kvtierd.tiers.tier_stats import TierStats
@@ -81,6 +82,9 @@ async def status(request: web.Request) -> web.Response:
                   "context_window": state.engine.engine.max_model_len},
         "engine": await state.engine.call(lambda: engine_status(state)),  # between two steps
         "draining": state.draining,
+        "instance": state.settings.instance,
+        "tenants": list(state.settings.tenants),  # its allow-list; []: every tenant not placed elsewhere
+        "placed_here": placed_here(state.settings.instance, state.settings.placement),
     })
 
 
@@ -105,6 +109,7 @@ def tiers_json(state: DaemonState) -> dict:
         "pages_total": pool.num_blocks,
         "pages_used": pool.num_used_blocks,
         "pages_cached": idle_cached,
+        "pages_retained": pool.num_retained_blocks,  # idle cached pages a retention hint keeps ahead of the rest
         "pages_free": pool.num_free_blocks - idle_cached,
         "query_tokens": c.prompt_tokens,
         "hit_tokens": device_hits,
@@ -114,7 +119,24 @@ def tiers_json(state: DaemonState) -> dict:
         "enabled": True,
         "healthy": True,
     }] + [lower_tier_json(t, c.prompt_tokens, eng.tiers.chunk_pages, state.reconciliation)
-          for t in eng.tier_stats()]}
+          for t in eng.tier_stats()], "cache_shares": eng.cache_shares.enabled, "tenants": tenants_json(eng)}
+
+
+def tenants_json(eng) -> list[dict]:
+    """Each tenant's cached device pages against its share, its page hits and evictions, and its host chunks."""
+    shares = eng.cache_shares
+    host = eng.tiers.host.slots_by_owner() if eng.tiers is not None and eng.tiers.host is not None else {}
+    rows = []
+    for root in {*shares.cached, *shares.counts, *host}:
+        counts = shares.counts_of(root) if root in shares.counts else None
+        rows.append({
+            "tenant": shares.names.get(root, root.hex()[:16]), "weight": shares.weight(root),
+            "device_pages": shares.cached[root], "share_pages": round(shares.share_pages(root), 1),
+            "hits": counts.hits if counts else 0, "evictions": counts.evictions if counts else 0,
+            "evictions_under_share": counts.evictions_under_share if counts else 0,
+            "host_chunks": host.get(root, 0),
+        })
+    return sorted(rows, key=lambda r: (-r["device_pages"], r["tenant"]))
 
 
 def lower_tier_json(t: TierStats, query_tokens: int, chunk_pages: int,

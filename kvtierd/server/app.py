@@ -49,4 +49,11 @@ def make_app(state: DaemonState) -> web.Application:
         app.add_routes(table)
     app.cleanup_ctx.append(_engine_lifetime)
     app.cleanup_ctx.append(workload_routes.workload_lifetime)
+    if state.settings.instance:
+        app.on_response_prepare.append(_name_instance)
     return app
+
+
+async def _name_instance(request: web.Request, response: web.StreamResponse) -> None:
+    """Every answer says which instance gave it (placement: one daemon per GPU behind one front)."""
+    response.headers["X-Kvtierd-Instance"] = request.app[STATE].settings.instance

@@ -55,7 +55,8 @@ async def respond_chat(request: web.Request, state: DaemonState, turn: Turn, opt
     tok = state.loaded.tokenizer
     qos_class = request_class(state.settings, request["tenant"], options.priority, turn.qos_class)
     gen = Generation(state.engine, turn.prompt_ids, options.params, request["tenant"], turn.session_id,
-                     options.prefix_tag, state.metrics.observer(qos_class), qos_class, state.workload)
+                     options.prefix_tag, state.metrics.observer(qos_class), qos_class, state.workload,
+                     options.retention)
     rid, created, model = f"chatcmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id
     extra: dict = {"priority": qos_class}
     if turn.session_id:
@@ -114,7 +115,8 @@ async def completions(request: web.Request) -> web.StreamResponse:
     options = req.options
     qos_class = request_class(state.settings, request["tenant"], options.priority)
     gen = Generation(state.engine, prompt_ids, options.params, request["tenant"], tag=options.prefix_tag,
-                     observer=state.metrics.observer(qos_class), qos_class=qos_class, workload=state.workload)
+                     observer=state.metrics.observer(qos_class), qos_class=qos_class, workload=state.workload,
+                     retention=options.retention)
     rid, created, model = f"cmpl-{uuid.uuid4().hex}", int(time.time()), state.model_id
     extra = {"priority": qos_class}
     if not options.stream:

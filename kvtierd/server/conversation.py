@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from kvtierd.server.errors import ApiError, bad_request
 from kvtierd.server.generation import GenerationResult
 from kvtierd.server.state import DaemonState
+from kvtierd.server.tenant_limits import check_session_room, limits_of
 from kvtierd.server.truncation import Truncation, truncate
 from kvtierd.storage.session_store import MessageRecord, SessionRecord
 
@@ -70,6 +71,9 @@ async def chat_session(state: DaemonState, tenant: str, session_id: str,
     if not state.settings.session_create_on_first_use:
         return await load_session(state, tenant, session_id)
     system = messages[0]["content"] if messages and messages[0]["role"] == "system" else None
+    limits = limits_of(state.settings.tenant_limits, tenant)
+    if limits.sessions is not None and await state.db(state.store.get_session, tenant, session_id) is None:
+        await check_session_room(tenant, limits, state.store.list_sessions)
     session, created = await state.db(state.store.get_or_create_session, tenant, session_id, system_prompt=system)
     if created:
         log.info("session %r of tenant %r created on first use", session_id, tenant)

@@ -74,7 +74,9 @@ def qos_config(settings: Settings) -> QosConfig:
                      step_budget_hold_s=settings.step_budget_hold_s,
                      reserved_share=settings.reserved_share, reserved_min_share=settings.reserved_min_share,
                      reserved_max_share=settings.reserved_max_share, reserved_window_s=settings.reserved_window_s,
-                     pin_share=settings.pin_share)
+                     pin_share=settings.pin_share, cache_shares=settings.cache_shares,
+                     tenant_cache_weights=settings.tenant_cache_weights,
+                     tenant_host_bytes={t: lim.host for t, lim in settings.tenant_limits.items() if lim.host})
 
 
 def tier_config(settings: Settings) -> TierConfig | None:

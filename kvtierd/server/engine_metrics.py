@@ -75,6 +75,10 @@ def _families(eng: LLMEngine, server: ServerCounters, uptime_s: float) -> Iterat
     for reason, n in asdict(pool.evictions).items():
         evictions.add_metric([TIER, reason], n)
     yield evictions
+    # One number for every tenant (tenants are unbounded, so never a label): kvtierctl tiers --tenant has each.
+    yield CounterMetricFamily("kvtierd_cache_evictions_under_share", "Device pages evicted for capacity from a "
+                              "tenant under its weighted share of the cached pages (with shares on: only when no "
+                              "tenant above its share had an idle page).", eng.cache_shares.num_evictions_under_share)
     yield _per_tier("kvtierd_cache_token_mismatches",
                     "Hash hits refused because the stored tokens differ (never served).",
                     CounterMetricFamily, pool.num_token_mismatches)

@@ -6,6 +6,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from kvtierd.cache.retention import Retention
 from kvtierd.engine.async_engine import AsyncEngine
 from kvtierd.engine.request import RequestOutput, TokenLogprob
 from kvtierd.engine.sampling_params import SamplingParams
@@ -57,10 +58,10 @@ class Generation:
     def __init__(self, engine: AsyncEngine, prompt_ids: list[int], params: SamplingParams, tenant: str,
                  session_id: str | None = None, tag: str | None = None,
                  observer: RequestObserver | None = None, qos_class: str = "normal",
-                 workload: WorkloadRecorder | None = None) -> None:
+                 workload: WorkloadRecorder | None = None, retention: Retention | None = None) -> None:
         engine.engine.validate(prompt_ids, params, qos_class)  # a bad request fails here, before any response starts
         self._stream = engine.generate(prompt_ids, params, tenant=tenant, session_id=session_id, tag=tag,
-                                       qos_class=qos_class)
+                                       qos_class=qos_class, retention=retention)
         self._first: RequestOutput | None = None
         self._start = time.monotonic()
         self._observer = observer

@@ -13,13 +13,16 @@ from kvtierd.engine.errors import EngineStoppedError, OverloadedError, RequestEr
 from kvtierd.model.errors import ChatTemplateError
 from kvtierd.server.errors import ApiError, bad_request, forbidden, unavailable
 from kvtierd.server.peer import peer_of
+from kvtierd.server.placement import refusal
 from kvtierd.server.state import STATE
+from kvtierd.server.tenant_limits import limits_of
 from kvtierd.storage.store_errors import (SessionExistsError, SessionNotFoundError, StoreArgumentError,
                                           StoreUnavailableError)
 
 log = logging.getLogger(__name__)
 
 TENANT_NAME = re.compile(r"^[A-Za-z0-9._@:-]{1,128}$")
+GENERATES = re.compile(r"^/v1/(chat/completions|completions|sessions/[^/]+/messages)$")  # what [qos] tenant_limits inflight counts
 
 
 async def read_json(request: web.Request) -> object:
@@ -107,11 +110,19 @@ async def peer_middleware(request: web.Request, handler):
         tenant = named
     if request.path.startswith("/admin/") and not peer.is_admin:
         raise forbidden("admin routes answer only to root or the admin group")
+    settings = state.settings
+    misplaced = refusal(tenant, settings.instance, settings.placement, settings.tenants) \
+        if request.path.startswith("/v1/") else None
+    if misplaced is not None:
+        raise misplaced
     request["peer"] = peer
     request["tenant"] = tenant
     state.in_flight += 1
     state.idle.clear()
     try:
+        if request.method == "POST" and GENERATES.match(request.path):
+            with state.tenant_inflight.admit(tenant, limits_of(state.settings.tenant_limits, tenant)):
+                return await handler(request)
         return await handler(request)
     finally:
         state.in_flight -= 1

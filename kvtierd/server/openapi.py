@@ -29,6 +29,11 @@ _SAMPLING = {
     "priority": {"type": "string", "enum": ["high", "normal", "low"], "description": "kvtierd extension"},
     "prefix_tag": {"type": "string", "pattern": "^[A-Za-z0-9._:@/-]{1,128}$",
                    "description": "kvtierd extension: marks the prompt's cached pages (e.g. doc:v3) for invalidation"},
+    "retention": {"type": "object", "additionalProperties": False, "required": ["priority", "duration_s"],
+                  "properties": {"priority": {"type": "integer", "minimum": 1, "maximum": 10},
+                                 "duration_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 86400}},
+                  "description": "kvtierd extension: soft retention, keeps the prompt's cached pages ahead of the "
+                                 "tenant's ordinary ones in eviction for duration_s (a hint, not a pin)"},
 }
 _TAG = {"type": "string", "pattern": "^[A-Za-z0-9._:@/-]{1,128}$"}
 _PREFIX = {"text": {"type": "string"}, "messages": {"type": "array"},

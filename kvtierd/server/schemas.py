@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from kvtierd.cache.retention import MAX_RETENTION_PRIORITY, MAX_RETENTION_S, Retention
 from kvtierd.engine.errors import RequestError
 from kvtierd.engine.sampling_params import MAX_TOP_LOGPROBS, SamplingParams
 from kvtierd.server.errors import bad_request
@@ -22,7 +23,7 @@ TAG = re.compile(r"[A-Za-z0-9._:@/-]{1,128}")
 
 SAMPLING_FIELDS = {"max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                    "logprobs", "top_logprobs", "n", "user", "frequency_penalty", "presence_penalty",
-                   "stream", "stream_options", "priority", "prefix_tag"}
+                   "stream", "stream_options", "priority", "prefix_tag", "retention"}
 CHAT_FIELDS = SAMPLING_FIELDS | {"model", "messages", "session_id"}
 COMPLETION_FIELDS = SAMPLING_FIELDS | {"model", "prompt", "echo"}
 SESSION_MESSAGE_FIELDS = SAMPLING_FIELDS | {"content"}
@@ -39,6 +40,7 @@ class GenerationOptions:
     include_usage: bool
     priority: str | None  # as asked; None: the session's or the tenant's class (server/qos.py)
     prefix_tag: str | None = None  # marks the prompt's cached pages, e.g. "doc:v3", for invalidation
+    retention: Retention | None = None  # keep its pages ahead of others in eviction for a while (soft; not a pin)
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,7 +130,23 @@ def parse_options(body: dict, default_max_tokens: int) -> GenerationOptions:
     except RequestError as e:
         raise bad_request(str(e), param=e.param) from e
     return GenerationOptions(params, stream, bool(stream_options.get("include_usage", False)), priority,
-                             parse_tag(body.get("prefix_tag"), "prefix_tag"))
+                             parse_tag(body.get("prefix_tag"), "prefix_tag"), parse_retention(body.get("retention")))
+
+
+def parse_retention(value: Any) -> Retention | None:
+    """`{"priority": 1-10, "duration_s": seconds}` (at most MAX_RETENTION_S)."""
+    if value is None:
+        return None
+    rule = (f"retention must be {{\"priority\": 1-{MAX_RETENTION_PRIORITY}, \"duration_s\": seconds "
+            f"(at most {MAX_RETENTION_S:g})}}")
+    if not isinstance(value, dict) or set(value) != {"priority", "duration_s"}:
+        raise bad_request(rule, param="retention")
+    priority, duration = value["priority"], value["duration_s"]
+    if isinstance(priority, bool) or not isinstance(priority, int) or isinstance(duration, bool) or \
+            not isinstance(duration, (int, float)) or not 1 <= priority <= MAX_RETENTION_PRIORITY or \
+            not 0 < duration <= MAX_RETENTION_S:
+        raise bad_request(rule, param="retention")
+    return Retention(priority, float(duration))
 
 
 def parse_tag(value: Any, param: str) -> str | None:

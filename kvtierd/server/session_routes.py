@@ -11,6 +11,7 @@ from kvtierd.server.middleware import read_json
 from kvtierd.server.schemas import (PRIORITIES, SESSION_CREATE_FIELDS, SESSION_MESSAGE_FIELDS, parse_options,
                                     require_object, session_id_param)
 from kvtierd.server.state import STATE, DaemonState
+from kvtierd.server.tenant_limits import check_session_room, limits_of
 from kvtierd.storage.session_store import MessageRecord, SessionRecord
 
 routes = web.RouteTableDef()
@@ -48,7 +49,10 @@ async def create_session(request: web.Request) -> web.Response:
     priority = _optional_str(body, "priority") or "normal"
     if priority not in PRIORITIES:
         raise bad_request(f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
-    session = await state.db(state.store.create_session, request["tenant"], session_id=session_id_param(body, "id"),
+    session_id = session_id_param(body, "id")  # a bad body is a 400 before any limit
+    await check_session_room(request["tenant"], limits_of(state.settings.tenant_limits, request["tenant"]),
+                             state.store.list_sessions)
+    session = await state.db(state.store.create_session, request["tenant"], session_id=session_id,
                              system_prompt=_optional_str(body, "system_prompt"),
                              title=_optional_str(body, "title"), qos_class=priority)
     return web.json_response(session_json(session), status=201)

@@ -20,6 +20,8 @@ from kvtierd.cache.eviction import EVICTION_POLICIES
 from kvtierd.engine.config import QOS_CLASSES
 from kvtierd.model.weight_modes import KV_DTYPES, WEIGHT_MODES
 from kvtierd.server.paths import default_socket_path, default_state_dir
+from kvtierd.server.placement import parse_placement, parse_tenant_list
+from kvtierd.server.tenant_limits import TenantLimits, parse_tenant_limits
 from kvtierd.server.truncation import TRUNCATION_POLICIES
 from kvtierd.tiers.config import DISK_ADMISSIONS, REMOTE_ADMISSIONS, TIER_CODECS
 
@@ -168,6 +170,18 @@ def parse_tenant_classes(value: Any) -> dict[str, str]:
     return out
 
 
+def parse_tenant_weights(value: Any) -> dict[str, float]:
+    """`"alice=2,batch=0.5"` -> tenant -> a weight > 0 ("" -> none: every tenant weighs 1)."""
+    out = {}
+    for item in filter(None, (i.strip() for i in str(value).split(","))):
+        tenant, _, number = item.partition("=")
+        x = parse_float(number.strip()) if number.strip() else 0.0
+        if not tenant.strip() or not x > 0:
+            raise ValueError(f"{item!r} is not tenant=weight (a number > 0)")
+        out[tenant.strip()] = x
+    return out
+
+
 def share(value: Any) -> float:
     x = parse_float(value)
     if not 0 <= x <= 1:
@@ -197,6 +211,12 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("admin_group", "server", "admin_group", "kvtierd-admin", parse_optional_str,
             "group whose members (and root) may use /admin and name a tenant per request"),
     Setting("tenant_header", "server", "tenant_header", "X-Kvtierd-Tenant", str, "header a trusted (admin-group) frontend names the tenant in"),
+    Setting("instance", "server", "instance", "", str,
+            "this instance's name (e.g. gpu0 for kvtierd@0): errors name it, and responses carry it in X-Kvtierd-Instance"),
+    Setting("tenants", "server", "tenants", "", parse_tenant_list,
+            "this instance's allow-list (empty: every tenant not placed elsewhere); others get 421 naming where they belong, e.g. alice,bob"),
+    Setting("placement", "server", "placement", "", parse_placement,
+            "which instance each placed tenant belongs to (one list for every instance); elsewhere it gets 421 naming it: tenant=instance, e.g. alice=gpu0,bob=gpu1"),
     Setting("max_body_bytes", "server", "max_body_bytes", 4 << 20, parse_bytes, "largest request body; larger gets 413"),
     Setting("drain_timeout_s", "server", "drain_timeout_s", 30.0, parse_float, "on SIGTERM, how long in-flight requests may take to finish"),
     Setting("log_level", "server", "log_level", "info", one_of("debug", "info", "warning", "error"), "debug, info, warning or error"),
@@ -294,6 +314,15 @@ SETTINGS: tuple[Setting, ...] = (
             "default class of a tenant's requests without a priority or session class, e.g. alice=high,batch=low"),
     Setting("tenant_max_classes", "qos", "tenant_max_classes", "", parse_tenant_classes,
             "the highest class a tenant may use: a request above it is lowered to it, e.g. batch=low"),
+    Setting("cache_shares", "qos", "cache_shares", True, parse_bool,
+            "eviction takes first from tenants above their weighted share of the cached pages (device and host); "
+            "off: one policy orders every tenant's pages"),
+    Setting("tenant_cache_weights", "qos", "tenant_cache_weights", "", parse_tenant_weights,
+            "a tenant's weight for its share of the cached pages (not named: 1), e.g. alice=2,batch=0.5"),
+    Setting("tenant_limits", "qos", "tenant_limits", "", lambda v: parse_tenant_limits(v, parse_bytes),
+            "per-tenant limits (* for tenants not named): sessions (stored) and inflight (requests) answer 429 "
+            "past them; host (bytes of host-tier KV) evicts the tenant's own chunks first, e.g. "
+            "alice=sessions:100 inflight:4 host:256MiB, *=inflight:16"),
     Setting("store_url", "store", "url", None, parse_optional_str,
             "SQLAlchemy URL of the session store (default: sqlite under the state dir; postgresql+psycopg://... for fleets)"),
 )
@@ -308,6 +337,9 @@ class Settings:
     socket_group: str | None
     admin_group: str | None
     tenant_header: str
+    instance: str
+    tenants: tuple[str, ...]
+    placement: dict[str, str]
     max_body_bytes: int
     drain_timeout_s: float
     log_level: str
@@ -359,6 +391,9 @@ class Settings:
     pin_share: float
     tenant_classes: dict[str, str]
     tenant_max_classes: dict[str, str]
+    cache_shares: bool
+    tenant_cache_weights: dict[str, float]
+    tenant_limits: dict[str, TenantLimits]
     store_url: str
 
 

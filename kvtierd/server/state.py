@@ -14,6 +14,7 @@ from kvtierd.server.chunk_catalog import CatalogReconciliation
 from kvtierd.model.loader import LoadedModel
 from kvtierd.server.metrics import ServerMetrics
 from kvtierd.server.settings import Settings
+from kvtierd.server.tenant_limits import InFlight
 from kvtierd.server.workload import WorkloadRecorder
 from kvtierd.storage.session_store import SessionStore
 
@@ -43,6 +44,7 @@ class DaemonState:
     # (tenant, session id) -> messages its prompt leaves out since it outgrew the window
     truncation_cuts: dict[tuple[str, str], int] = field(default_factory=dict)
     reconciliation: CatalogReconciliation | None = None  # the disk tier against the chunk catalog, at startup
+    tenant_inflight: InFlight = field(default_factory=InFlight)  # requests per tenant, for [qos] tenant_limits
 
     @property
     def chunk_store(self) -> str | None:

@@ -696,7 +696,7 @@ class TierManager:
             checksum = xxhash.xxh3_64_intdigest(payload.numpy())
             value.numpy()[:head_len] = np.frombuffer(frame_head(identity, HOST_CODEC, nbytes, checksum), np.uint8)
 
-        self.host.write(key, head_len + nbytes, write, align_at=head_len)
+        self.host.write(key, head_len + nbytes, write, align_at=head_len, owner=identity.namespace)
 
 
 def _bytes(kv: torch.Tensor) -> memoryview:
