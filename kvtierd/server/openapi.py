@@ -57,7 +57,8 @@ def _op(summary: str, body: dict | None = None, errors: tuple[int, ...] = (400,)
 
 
 _SESSION_ID = [{"name": "session_id", "in": "path", "required": True, "schema": {"type": "string"}}]
-_CHOSEN_ID = {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,128}$"}  # schemas.SESSION_ID
+# schemas.SESSION_ID; null is taken as absent (schemas._typed), as for every optional field the server reads
+_CHOSEN_ID = {"type": ["string", "null"], "pattern": "^[A-Za-z0-9._:-]{1,128}$"}
 _OWNER = [{"name": "tenant", "in": "query", "schema": {"type": "string"},
            "description": "the session's tenant, needed when several tenants have a session with this id"}]
 _LIMIT = [{"name": "limit", "in": "query", "schema": {"type": "integer", "minimum": 1, "maximum": 1000}}]
@@ -84,8 +85,9 @@ DOCUMENT = {
             "post": _op("Create a chat session", _body(
                 {"id": {**_CHOSEN_ID, "description": "the client's own id for it (default: a new random one); 409 "
                         "when this tenant has it already"},
-                 "system_prompt": {"type": "string"}, "title": {"type": "string"},
-                 "priority": {"type": "string", "enum": ["high", "normal", "low"]}}, [], optional=True), (400, 409)),
+                 "system_prompt": {"type": ["string", "null"]}, "title": {"type": ["string", "null"]},
+                 "priority": {"type": ["string", "null"], "enum": ["high", "normal", "low", None]}}, [],
+                optional=True), (400, 409)),
             "get": {**_op("This tenant's sessions"), "parameters": _LIMIT},
         },
         "/v1/sessions/{session_id}": {
