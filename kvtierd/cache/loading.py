@@ -154,6 +154,9 @@ class Loading:
             found, t.lookup = _found(t.lookup), None
             if found:
                 self._start_loads(seq_id, t, found)
+                # Loads started on an answer seen only now have until the next call, past the deadline or not:
+                # the answer may have waited for a step to end, and a host or disk load takes less than a step.
+                return all(load.done for load in t.loads)
         if t.deadline is not None and self._clock() > t.deadline:
             return True
         return t.lookup is None and all(load.done for load in t.loads)
