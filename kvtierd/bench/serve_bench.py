@@ -32,7 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -118,6 +118,25 @@ def async_client(socket: Path) -> httpx.AsyncClient:
                              timeout=REQUEST_TIMEOUT_S)
 
 
+async def sse_chunks(client: httpx.AsyncClient, path: str, body: dict) -> AsyncIterator[dict]:
+    """The JSON chunks of one streamed POST, as they arrive; an answer other than 200, or an error chunk in the
+    stream, raises ServeBenchError."""
+    async with client.stream("POST", path, json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            raise ServeBenchError(f"the daemon answered {response.status_code}: {response.text[:300]}")
+        async for line in response.aiter_lines():
+            if not line.startswith("data: "):
+                continue
+            data = line.removeprefix("data: ")
+            if data == "[DONE]":
+                return
+            chunk = json.loads(data)
+            if "error" in chunk:
+                raise ServeBenchError(f"the stream ended with an error: {chunk['error']}")
+            yield chunk
+
+
 async def stream_chat(client: httpx.AsyncClient, prompt: str, max_tokens: int, seed: int) -> RequestTiming:
     """One streamed chat completion, timed chunk by chunk as it arrives."""
     body = {
@@ -132,24 +151,12 @@ async def stream_chat(client: httpx.AsyncClient, prompt: str, max_tokens: int, s
     usage: dict | None = None
     finish_reason = None
     t_send = time.perf_counter()
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
-        if response.status_code != 200:
-            await response.aread()
-            raise ServeBenchError(f"the daemon answered {response.status_code}: {response.text}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line.removeprefix("data: ")
-            if data == "[DONE]":
-                break
-            chunk = json.loads(data)
-            if "error" in chunk:
-                raise ServeBenchError(f"the stream ended with an error: {chunk['error']}")
-            for choice in chunk.get("choices", []):
-                if choice.get("delta", {}).get("content"):
-                    arrivals.append(time.perf_counter())
-                finish_reason = choice.get("finish_reason") or finish_reason
-            usage = chunk.get("usage") or usage
+    async for chunk in sse_chunks(client, "/v1/chat/completions", body):
+        for choice in chunk.get("choices", []):
+            if choice.get("delta", {}).get("content"):
+                arrivals.append(time.perf_counter())
+            finish_reason = choice.get("finish_reason") or finish_reason
+        usage = chunk.get("usage") or usage
     if not arrivals:
         raise ServeBenchError("a stream carried no content chunk")
     if usage is None:

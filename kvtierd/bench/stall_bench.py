@@ -32,7 +32,6 @@ beside another session's next turn sent `turn_later_s` later.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import shutil
@@ -52,7 +51,8 @@ import redis
 
 from kvtierd.bench.qos_bench import VOCAB_SPAN, machine_line
 from kvtierd.bench.reuse_bench import document, follow_up, questions
-from kvtierd.bench.serve_bench import ServeBenchError, async_client, percentile, started_daemon, story_prompts
+from kvtierd.bench.serve_bench import (ServeBenchError, async_client, percentile, sse_chunks, started_daemon,
+                                       story_prompts)
 from kvtierd.model.bundled import bundled_gguf_path
 from kvtierd.model.tokenizer import ChatTokenizer
 
@@ -204,19 +204,10 @@ async def _completion(client: httpx.AsyncClient, prompt: list[int]) -> tuple[flo
             "stream_options": {"include_usage": True}}
     first, info = None, {}
     t0 = time.perf_counter()
-    async with client.stream("POST", "/v1/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            raise ServeBenchError(f"the daemon answered {r.status_code}: {r.text[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
-            if "error" in chunk:
-                raise ServeBenchError(f"the stream ended with an error: {chunk['error']}")
-            if first is None and any(c.get("text") for c in chunk.get("choices", [])):
-                first = time.perf_counter()
-            info = chunk.get("kvtierd") or info
+    async for chunk in sse_chunks(client, "/v1/completions", body):
+        if first is None and any(c.get("text") for c in chunk.get("choices", [])):
+            first = time.perf_counter()
+        info = chunk.get("kvtierd") or info
     if first is None:
         raise ServeBenchError("a completion carried no text")
     return first - t0, info
@@ -231,17 +222,11 @@ async def _chat(client: httpx.AsyncClient, messages: list[dict], max_tokens: int
     arrivals = [] if arrivals is None else arrivals
     text = []
     t0 = time.perf_counter()
-    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
-        if r.status_code != 200:
-            await r.aread()
-            raise ServeBenchError(f"the daemon answered {r.status_code}: {r.text[:300]}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data: {"):
-                continue
-            for choice in json.loads(line[6:]).get("choices", []):
-                if content := choice.get("delta", {}).get("content"):
-                    arrivals.append(time.perf_counter())
-                    text.append(content)
+    async for chunk in sse_chunks(client, "/v1/chat/completions", body):
+        for choice in chunk.get("choices", []):
+            if content := choice.get("delta", {}).get("content"):
+                arrivals.append(time.perf_counter())
+                text.append(content)
     if not arrivals:
         raise ServeBenchError("a chat reply carried no text")
     return arrivals[0] - t0, "".join(text)
