@@ -178,6 +178,9 @@ def test_kill_9_in_a_loop_during_heavy_offload(capsys):
         values, order = stored_keys(kv, "values"), stored_keys(kv, "order")
         assert values == order, (len(values), len(order))
         figures["disk values reconciled"] = len(values)
+    except BaseException:
+        print(f"the last daemon's log:\n{daemon.log_text()[-6000:]}")  # what CI shows of a failure
+        raise
     finally:
         kill9(daemon)
         remove_root(root)

@@ -307,6 +307,13 @@ class LLMEngine:
             self.counters.shed += 1
         else:
             self.counters.rejected[req.qos_class] += 1
+            # What the operator needs to tell a flood from pages held elsewhere (loads, stores, pins).
+            pool = self.kv.pool
+            log.warning("%s request %s refused after %.1f s unadmitted: %d of %d pages free to it, %d running, "
+                        "%d waiting, %d loading, %d preemptions, prefix loaded: %s", req.qos_class,
+                        req.request_id, time.monotonic() - req.arrival_time, pool.num_free_blocks_for(req.high),
+                        pool.num_blocks, len(self.scheduler.running), len(self.scheduler.waiting),
+                        len(self.scheduler.loading), req.num_preemptions, req.prefix_loaded)
         del self.requests[req.request_id]
         self.scheduler.remove(req)
         return self._output(req, [], "", None)
