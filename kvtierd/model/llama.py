@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from kvtierd.kernels.backend import select_backend
 from kvtierd.kernels.paged_batch import PagedBatch
 from kvtierd.model.config import ModelConfig
+from kvtierd.model.packed_matrix import PackedMatrix, can_pack
 from kvtierd.model.quantized import QuantizedLinear
 from kvtierd.model.rope import RotaryEmbedding
 from kvtierd.model.weight_modes import WeightMode
-from kvtierd.model.weights import Matrix, ModelWeights
+from kvtierd.model.weights import Matrix, ModelWeights, packed_for_cpu
 
 # Steps of at most this many tokens run the quantized kernels; larger ones the dense copies
 # (quantized.py). Measured with `kvtierd bench engine`: past a few rows torch's bf16 GEMM wins.
@@ -37,6 +38,8 @@ def linear(x: torch.Tensor, w: Matrix, quantized: bool, bias: torch.Tensor | Non
     if isinstance(w, QuantizedLinear):
         y = w.matmul(x, quantized)
         return y if bias is None else y.add_(bias)
+    if isinstance(w, PackedMatrix):
+        return w.matmul(x, bias)
     return F.linear(x, w, bias)
 
 
@@ -45,6 +48,8 @@ def linear_add(h: torch.Tensor, x: torch.Tensor, w: Matrix, quantized: bool) -> 
     GEMM (beta=1), one pass over h fewer."""
     if isinstance(w, QuantizedLinear):
         return h.add_(w.matmul(x, quantized))
+    if isinstance(w, PackedMatrix):
+        return h.add_(w.matmul(x))
     if w.dtype == h.dtype:
         return torch.addmm(h, x, w.t())
     return h.add_(F.linear(x, w))
@@ -54,10 +59,10 @@ class LlamaModel:
     def __init__(self, config: ModelConfig, weights: ModelWeights, device: torch.device, mode: WeightMode,
                  kv_dtype: torch.dtype) -> None:
         self.config = config
-        self.weights = weights
         self.device = device
         self.mode = mode
         self.dtype = mode.compute_dtype  # activations
+        self.weights = packed_for_cpu(weights) if can_pack(device, self.dtype) else weights
         self.kv_dtype = kv_dtype
         self.quantized_max_tokens = QUANTIZED_MAX_TOKENS
         self.rope = RotaryEmbedding(config, device, self.dtype)

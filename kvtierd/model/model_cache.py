@@ -30,7 +30,7 @@ from kvtierd.model.config import ModelConfig, RopeScaling
 from kvtierd.model.quantized import QuantizedLinear
 from kvtierd.model.tokenizer import ChatTokenizer
 from kvtierd.model.weight_modes import WeightMode
-from kvtierd.model.weights import LayerWeights, Matrix, ModelWeights
+from kvtierd.model.weights import LayerWeights, Matrix, ModelWeights, plain
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +90,9 @@ def _tensors(weights: ModelWeights, config: ModelConfig) -> dict[str, torch.Tens
 
     def add(name: str, t: Matrix | None) -> None:
         if isinstance(t, QuantizedLinear):
-            out.update({f"{name}.packed": t.packed, f"{name}.scales": t.scales, f"{name}.dense": t.dense})
+            out.update({f"{name}.packed": t.packed, f"{name}.scales": t.scales, f"{name}.dense": plain(t.dense)})
         elif t is not None:
-            out[name] = t
+            out[name] = plain(t)
 
     if weights.lm_head is not weights.embed:
         add("lm_head", weights.lm_head)

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtierd.model.packed_matrix import PackedMatrix
+
 INT4_GROUP = 32  # weights per 4-bit group: llama.cpp's Q4_0/Q4_1 block
 
 
@@ -23,11 +25,14 @@ class QuantizedLinear:
     kind: str  # "int8" or "int4"
     packed: torch.Tensor  # int8: [out, in] int8; int4: torch's packed uint8 [out, in / 2]
     scales: torch.Tensor  # int8: [out]; int4: [in / INT4_GROUP, out, 2] (scale, offset); compute dtype
-    dense: torch.Tensor  # [out, in] compute dtype: the dequantized values, for large steps
+    # [out, in] compute dtype: the dequantized values, for large steps (packed on a CPU that runs them faster)
+    dense: torch.Tensor | PackedMatrix
 
     def matmul(self, x: torch.Tensor, quantized: bool) -> torch.Tensor:
         """`x [n, in] -> [n, out]`; `quantized` picks the weight-streaming kernel (small steps)."""
         if not quantized:
+            if isinstance(self.dense, PackedMatrix):
+                return self.dense.matmul(x)
             return torch.nn.functional.linear(x, self.dense)
         if self.kind == "int8":
             return torch._weight_int8pack_mm(x, self.packed, self.scales)

@@ -3,18 +3,20 @@
 Linear weights are `[out_features, in_features]` as in `torch.nn.functional.linear`.
 q, k and v are fused into one matrix, and gate and up into another, so that a
 decode step streams each layer's weights in two large reads instead of five.
-In a quantized mode (weight_modes.py) each matrix is a `QuantizedLinear` instead.
+In a quantized mode (weight_modes.py) each matrix is a `QuantizedLinear` instead. On a CPU with
+bfloat16 kernels, the model runs its bfloat16 matrices packed (`packed_for_cpu`, packed_matrix.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
+from kvtierd.model.packed_matrix import PackedMatrix, pack
 from kvtierd.model.quantized import QuantizedLinear
 
-Matrix = torch.Tensor | QuantizedLinear
+Matrix = torch.Tensor | QuantizedLinear | PackedMatrix
 
 
 @dataclass(slots=True)
@@ -43,9 +45,9 @@ class ModelWeights:
 
         def add(name: str, t: Matrix | None) -> None:
             if isinstance(t, QuantizedLinear):
-                out.update({f"{name}.packed": t.packed, f"{name}.scales": t.scales, f"{name}.dense": t.dense})
+                out.update({f"{name}.packed": t.packed, f"{name}.scales": t.scales, f"{name}.dense": plain(t.dense)})
             elif t is not None:
-                out[name] = t
+                out[name] = plain(t)
 
         for name in ("embed", "final_norm", "lm_head", "lm_head_exact"):
             add(name, getattr(self, name))
@@ -64,9 +66,34 @@ class ModelWeights:
         return total + _bytes_read(self.final_norm)
 
 
+def packed_for_cpu(weights: ModelWeights) -> ModelWeights:
+    """`weights` with every bfloat16 matrix (a quantized one's dense copy too) packed for the CPU's
+    oneDNN kernels; the embedding, norms, biases and float32 rows stay as they are. The plain matrices
+    are not kept: the packed ones hold the same values (`named_tensors` gives them back plain)."""
+    def packed(t: Matrix) -> Matrix:
+        if isinstance(t, QuantizedLinear):
+            return replace(t, dense=packed(t.dense))
+        if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16:
+            return pack(t)
+        return t
+
+    layers = [replace(layer, qkv=packed(layer.qkv), o=packed(layer.o), gate_up=packed(layer.gate_up),
+                      down=packed(layer.down)) for layer in weights.layers]
+    # A head tied to the embedding stays that tensor: the tie is what the model cache keys on.
+    lm_head = weights.lm_head if weights.lm_head is weights.embed else packed(weights.lm_head)
+    return replace(weights, layers=layers, lm_head=lm_head)
+
+
+def plain(t: torch.Tensor | PackedMatrix) -> torch.Tensor:
+    """A matrix as a plain tensor (a packed one unpacked)."""
+    return t.to_dense() if isinstance(t, PackedMatrix) else t
+
+
 def _bytes_read(t: Matrix) -> int:
     if isinstance(t, QuantizedLinear):
         return t.num_bytes_streamed()
+    if isinstance(t, PackedMatrix):
+        return t.num_bytes()
     return t.numel() * t.element_size()
 
 
