@@ -22,7 +22,7 @@ from kvtierd.model.weights import Matrix, ModelWeights, packed_for_cpu
 # (quantized.py). Measured with `kvtierd bench engine`: past a few rows torch's bf16 GEMM wins.
 QUANTIZED_MAX_TOKENS = 4
 # A quantized LM head's logits are approximate; this many of each row's largest are recomputed from its
-# float32 rows, so the tokens sampling can pick (greedy, top-k/top-p) are ranked exactly: the head's 8-bit
+# float32 rows, so the tokens sampling can pick (greedy, top-k/top-p) are ranked exactly: an 8-bit head's
 # rounding moved near-ties (bench quality, int4: top-1 96.3% -> 97.9%, KL 0.0024 -> 0.0010).
 REFINED_TOP_K = 64
 

@@ -34,7 +34,8 @@ from kvtierd.model.weights import LayerWeights, Matrix, ModelWeights, plain
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2: norms float32 in every mode; quantized modes: float32 embedding, exact LM head rows
+FORMAT_VERSION = 3  # 2: norms float32 in every mode; quantized modes: float32 embedding, exact LM head rows
+# 3: a quantized mode's LM head in the mode's own kind (int4 too)
 LAYER_FIELDS = ("attn_norm", "qkv", "qkv_bias", "o", "ffn_norm", "gate_up", "down")
 
 
@@ -114,7 +115,7 @@ def _weights(tensors: dict[str, torch.Tensor], config: ModelConfig, mode: Weight
     layers = [LayerWeights(**{name: get(f"layers.{i}.{name}") for name in LAYER_FIELDS})
               for i in range(config.num_layers)]
     embed = tensors["embed"]
-    lm_head = get("lm_head", "int8")  # convert_weights quantizes the LM head to int8 in every quantized mode
+    lm_head = get("lm_head")
     exact = tensors.get("lm_head_exact", embed) if mode.quantization else None
     return ModelWeights(embed=embed, layers=layers, final_norm=tensors["final_norm"],
                         lm_head=embed if lm_head is None else lm_head, lm_head_exact=exact)
