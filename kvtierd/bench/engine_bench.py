@@ -5,8 +5,9 @@ Decode speed is measured on decode steps only (prefill excluded) with EOS
 ignored, so every side produces the same number of tokens. Batch-1 decode
 streams every weight once per token; its weight bytes/s is reported beside the
 machine's memory read bandwidth, measured here with a large tensor reduction.
-Prefill runs in alternating rounds (every side once per round), so drift in the
-machine's speed hits all alike; ratios are medians of per-round ratios.
+The modes' decode, every side's prefill and the modes' warm turns run in
+alternating rounds (every side once per round), so drift in the machine's speed
+(another process's load) hits all alike; ratios are medians of per-round ratios.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from kvtierd.engine.sampling_params import SamplingParams
 from kvtierd.model.loader import LoadedModel, convert_loaded
 
 DECODE_TOKENS = 32
+DECODE_ROUNDS = 3
 WARM_PREFIX_TOKENS = 1500  # a chat's history, cached
 WARM_NEW_TOKENS = 35  # the new user message of the next turn
 WARM_TURNS = 5
@@ -175,26 +177,34 @@ class LlamaCppBaseline:
         return time.perf_counter() - t0
 
 
-def warm_turn_ttft_s(engine: LLMEngine, loaded: LoadedModel, turns: int = WARM_TURNS) -> float:
-    """Median time to the first token of a chat turn of WARM_NEW_TOKENS new tokens over a cached
-    WARM_PREFIX_TOKENS-token history (the history computed once before, in the same session)."""
+def warm_turn_ttft_s(engines: dict[str, LLMEngine], loaded: LoadedModel, turns: int = WARM_TURNS
+                     ) -> dict[str, float]:
+    """Each engine's median time to the first token of a chat turn of WARM_NEW_TOKENS new tokens over a
+    cached WARM_PREFIX_TOKENS-token history (the history computed once before, in the same session); the
+    engines take their turns alternately."""
     history = _prompts(loaded, 1, WARM_PREFIX_TOKENS)[0]
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    engine.add_request(history, params, tenant="warm")
-    while engine.has_unfinished():
-        engine.step()
-    times = []
+
+    def ttft_s(engine: LLMEngine, prompt: list[int]) -> float:
+        cached = engine.counters.cached_tokens
+        t0 = time.perf_counter()
+        engine.add_request(prompt, params, tenant="warm")
+        while engine.has_unfinished():
+            engine.step()
+        elapsed = time.perf_counter() - t0
+        assert prompt is history or engine.counters.cached_tokens - cached >= WARM_PREFIX_TOKENS - \
+            engine.config.block_size, "history missed"
+        return elapsed
+
+    for engine in engines.values():
+        ttft_s(engine, history)  # the history, computed once
+    times: dict[str, list[float]] = {mode: [] for mode in engines}
     for turn in range(turns):
         question = f" Turn {turn}: why do programs reuse the data they touched a moment ago? " * 4
         new = loaded.tokenizer.encode(question)[:WARM_NEW_TOKENS]
-        cached = engine.counters.cached_tokens
-        t0 = time.perf_counter()
-        engine.add_request(history + new, params, tenant="warm")
-        while engine.has_unfinished():
-            engine.step()
-        times.append(time.perf_counter() - t0)
-        assert engine.counters.cached_tokens - cached >= WARM_PREFIX_TOKENS - engine.config.block_size, "history missed"
-    return statistics.median(times)
+        for mode, engine in engines.items():
+            times[mode].append(ttft_s(engine, history + new))
+    return {mode: statistics.median(t) for mode, t in times.items()}
 
 
 def run_engine_bench(loaded: LoadedModel, batches: list[int], prefill_lengths: list[int], modes: list[str],
@@ -208,30 +218,32 @@ def run_engine_bench(loaded: LoadedModel, batches: list[int], prefill_lengths: l
     decode_rows = []
     for b in batches:
         prompts = _prompts(loaded, b, 64)
-        ours = {}
-        for mode, lm in models.items():
-            engine = LLMEngine(lm, EngineConfig(max_num_seqs=max(64, b)))
+        engines = {mode: LLMEngine(lm, EngineConfig(max_num_seqs=max(64, b))) for mode, lm in models.items()}
+        for engine in engines.values():
             engine_decode(engine, prompts[:1], 4)  # warm-up
-            ours[mode] = engine_decode(engine, prompts, DECODE_TOKENS)
+        rounds = [{mode: engine_decode(e, prompts, DECODE_TOKENS) for mode, e in engines.items()}
+                  for _ in range(DECODE_ROUNDS)]
+        for engine in engines.values():
             engine.close()
         theirs = hf.decode_tokens_per_s(prompts, DECODE_TOKENS)
         llama_tok_s = llama.decode_tokens_per_s(prompts[0], DECODE_TOKENS) if llama is not None and b == 1 else None
-        for mode, result in ours.items():
+        for mode in models:
+            tok_s = statistics.median(r[mode].tokens_per_s for r in rounds)
             row = {
                 "mode": mode,
                 "batch": b,
-                "kvtierd_tok_s": result.tokens_per_s,
-                "vs_float32": result.tokens_per_s / ours["float32"].tokens_per_s,
+                "kvtierd_tok_s": tok_s,
+                "vs_float32": statistics.median(r[mode].tokens_per_s / r["float32"].tokens_per_s for r in rounds),
                 "transformers_tok_s": theirs,
-                "vs_transformers": result.tokens_per_s / theirs,
+                "vs_transformers": tok_s / theirs,
                 "llama_cpp_tok_s": llama_tok_s,
-                "vs_llama_cpp": None if llama_tok_s is None else result.tokens_per_s / llama_tok_s,
-                "step_overhead_ms": result.step_overhead_ms,
+                "vs_llama_cpp": None if llama_tok_s is None else tok_s / llama_tok_s,
+                "step_overhead_ms": statistics.median(r[mode].step_overhead_ms for r in rounds),
             }
             if b == 1:
                 weight_bytes = models[mode].model.weights.num_bytes_per_token()
-                row["weight_GB_s"] = weight_bytes * result.tokens_per_s / 1e9
-                row["share_of_mem_bw"] = weight_bytes * result.tokens_per_s / bandwidth
+                row["weight_GB_s"] = weight_bytes * tok_s / 1e9
+                row["share_of_mem_bw"] = weight_bytes * tok_s / bandwidth
             decode_rows.append(row)
 
     engines = {mode: LLMEngine(lm) for mode, lm in models.items()}
@@ -252,7 +264,7 @@ def run_engine_bench(loaded: LoadedModel, batches: list[int], prefill_lengths: l
                 "tok_s": n / statistics.median(r[side] for r in rounds),
                 "vs_float32": statistics.median(r["float32"] / r[side] for r in rounds),
             })
-    warm = [{"mode": mode, "ttft_ms": warm_turn_ttft_s(e, models[mode]) * 1e3} for mode, e in engines.items()]
+    warm = [{"mode": mode, "ttft_ms": s * 1e3} for mode, s in warm_turn_ttft_s(engines, loaded).items()]
     for e in engines.values():
         e.close()
 
