@@ -139,3 +139,33 @@ def test_order_records_without_an_owner_still_load_as_unowned(tmp_path: Path) ->
     store = DiskStore(tmp_path, map_size=BIG_MAP)  # old and new records side by side still load
     assert store.usage_by_owner()[b""].entries == 3
     store.close()
+
+
+# -- through the engine: [qos] tenant_limits disk reaches the store --------------------------------------
+
+
+def test_the_engine_caps_a_tenants_disk_bytes_and_leaves_the_others(loaded, make_engine, tmp_path: Path) -> None:
+    from kvtierd.engine.config import QosConfig
+    from kvtierd.engine.sampling_params import SamplingParams
+    from kvtierd.tiers.config import TierConfig
+
+    chunk_bytes = 4 * 16 * loaded.config.num_layers * loaded.config.num_kv_heads * loaded.config.head_dim * 2 * 4
+    cap = 2 * chunk_bytes + (1 << 20)  # two full chunks of float32 KV, and room for the pages they are rounded to
+    engine = make_engine(kv_tokens=320, tiers=TierConfig(host_bytes=0, disk_bytes=256 << 20, disk_path=tmp_path,
+                                                         chunk_pages=4, disk_admission="all"),
+                         qos=QosConfig(tenant_disk_bytes={"capped": cap}))
+    params = SamplingParams(max_tokens=2, temperature=0.0)
+    for tenant, topic in [("other", "the block pool"), *(("capped", t) for t in ("pages", "steps", "tiers", "pins"))]:
+        text = f"Some notes on {topic}. " + f"They describe {topic} in detail, step by step. " * 9
+        rid = engine.add_request(loaded.tokenizer.encode_chat([{"role": "user", "content": text}]), params,
+                                 tenant=tenant)
+        while engine.has_unfinished():
+            engine.step()
+        assert rid not in engine.requests
+    engine.tiers.wait()  # the disk writer's queue
+    usage = engine.tiers.disk.usage_by_owner()
+    capped, other = usage[engine._root("capped")], usage[engine._root("other")]
+    assert 0 < capped.nbytes <= cap and capped.over_limit == 0
+    assert engine.tiers.disk.stats().num_evictions > 0  # the capped tenant's flood evicted its own values
+    assert other.entries == 2  # the other tenant's two demoted chunks (one whole, one partial) are still there
+    engine.close()
