@@ -3,7 +3,9 @@
 Four sub-databases:
 
     values      key -> value (a kv_frame; opaque here)
-    order       key -> <Q use sequence, Q charged bytes>: the LRU order, read into memory at open
+    order       key -> <Q use sequence, Q charged bytes> + owner: the LRU order, read into memory at open;
+                the owner is the tenant namespace that stored the value (a record written before
+                owners were kept ends after the two numbers: the value is unowned, the owner b"")
     cataloged   key -> b"": values a session's turn wrote, which the SQL catalog names (written in
                 the value's transaction, deleted with it), so a value the catalog has lost is
                 found and removed at startup
@@ -29,6 +31,13 @@ still fall short (MapFullError), more values go and the write is retried: a
 full map means eviction, never an error to the caller. Only a map so jammed
 that even deletes fail makes the store unavailable.
 
+Owners: with shares (`share_by`), eviction takes from the owner with the most
+bytes per unit of weight, its least recently used value first, so a tenant's
+flood evicts its own values before another tenant's (`storage/owner_shares.py`).
+With a limit (`limit_by`), an owner past its bytes first evicts its own least
+recently used values; a batch that its pinned values leave no room for is
+refused (counted), nothing of anyone else's is touched.
+
 Threads: any thread may call any method (the tier manager uses a pool). Writers
 are serialized by `_write_lock` (LMDB serializes them anyway); `_lock` guards
 the in-memory LRU and counters and is never held across I/O. Open the store
@@ -42,8 +51,8 @@ import os
 import struct
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +62,7 @@ import lmdb
 
 from kvtierd.storage.chunk_store import StoreStats
 from kvtierd.storage.map_reader import MapReader
+from kvtierd.storage.owner_shares import by_standing
 from kvtierd.storage.store_errors import StoreUnavailableError
 
 # Kept free: map_size // SLACK_RATIO, between MIN_SLACK_PAGES (each write copies a few tree
@@ -61,7 +71,7 @@ SLACK_RATIO = 16
 MIN_SLACK_PAGES = 64
 MAX_SLACK = 256 << 20
 T = TypeVar("T")
-ENTRY_OVERHEAD = 64  # a leaf node's header and key, plus the order record, per value (roughly)
+ENTRY_OVERHEAD = 64  # a leaf node's header and key, plus the order record's numbers, per value (roughly)
 MAX_QUARANTINED = 16  # the newest bad values kept for inspection; older ones are dropped
 MAX_WRITE_ATTEMPTS = 4
 READ_TXN_SPARES = 8  # read transactions LMDB keeps for reuse: about the tier manager's thread count
@@ -74,6 +84,19 @@ _QUARANTINE_HEADER = struct.Struct("<QH")
 class _Entry:
     seq: int  # use sequence: larger is more recent
     charge: int  # about the bytes the value takes in the map: what evicting it frees
+    owner: bytes = b""  # the tenant namespace that stored it; b"": unknown (shared)
+
+    def record(self) -> bytes:
+        return _ORDER.pack(self.seq, self.charge) + self.owner
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerUsage:
+    """What one owner holds in the store now, and its batches refused at its limit since open."""
+
+    entries: int
+    nbytes: int  # the charges of its values: what the limit and the shares count
+    over_limit: int
 
 
 class DiskStore:
@@ -125,6 +148,9 @@ class DiskStore:
                 self._quarantine = self._env.open_db(b"quarantine", txn=txn)
             with self._env.begin() as txn:
                 self._lru = _read_lru(txn, self._order)
+            self._owned: Counter[bytes] = Counter()  # bytes (charges) per owner
+            for entry in self._lru.values():
+                self._owned[entry.owner] += entry.charge
             self._lock = threading.Lock()
             self._measure()
         except (lmdb.Error, struct.error) as e:  # struct.error: an LRU record of the wrong size (a damaged page)
@@ -135,6 +161,9 @@ class DiskStore:
         self._next_seq = max((e.seq for e in self._lru.values()), default=0) + 1
         self._touched: set[bytes] = set()  # read since their sequence was last written
         self._pinned: set[bytes] = set()  # never evicted (pins live in SQL; the tier manager pins again at startup)
+        self._weight: Callable[[bytes], float] | None = None  # an owner's weight; None: one LRU for all
+        self._cap: Callable[[bytes], int | None] = lambda owner: None  # bytes an owner may hold (None: any)
+        self._over_limit: Counter[bytes] = Counter()  # batches refused at their owner's limit
         self._write_lock = threading.Lock()
         self._failure: str | None = None
         self._num_puts = self._num_gets = self._num_hits = 0
@@ -184,27 +213,29 @@ class DiskStore:
                     self._next_seq += 1
                     self._touched.add(key)
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]], cataloged: bool = False) -> bool:
-        """With `cataloged`, the keys are also marked as named by the SQL catalog (see `cataloged_keys`)."""
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], cataloged: bool = False, owner: bytes = b"") -> bool:
+        """With `cataloged`, the keys are also marked as named by the SQL catalog (see `cataloged_keys`).
+        `owner`: the tenant namespace the values belong to (shares and limits; b"": none)."""
         batch = dict(items)  # a key given twice keeps its last value
         self._check_keys(batch)
         if not batch:
             return True
-        charges = {key: self._charge(len(value)) for key, value in batch.items()}
+        charges = {key: self._charge(len(value) + len(owner)) for key, value in batch.items()}
         need = sum(charges.values())
         with self._guard(), self._write_lock:
-            if 2 * need + self._slack > self._map_bytes or not self._make_room(need):
+            if (2 * need + self._slack > self._map_bytes or not self._fit_limit(owner, need, batch)
+                    or not self._make_room(need)):
                 with self._lock:
                     self._num_rejected += 1
                 return False
             with self._lock:
-                entries = {key: _Entry(self._next_seq + i, charges[key]) for i, key in enumerate(batch)}
+                entries = {key: _Entry(self._next_seq + i, charges[key], owner) for i, key in enumerate(batch)}
                 self._next_seq += len(batch)
 
             def write(txn: lmdb.Transaction) -> None:
                 for key, value in batch.items():
                     txn.put(key, value, db=self._values)
-                    txn.put(key, _ORDER.pack(entries[key].seq, entries[key].charge), db=self._order)
+                    txn.put(key, entries[key].record(), db=self._order)
                     if cataloged:
                         txn.put(key, b"", db=self._cataloged)
 
@@ -214,8 +245,9 @@ class DiskStore:
                     self._num_rejected += 1
                     return False
                 for key, entry in entries.items():
-                    self._lru.pop(key, None)  # a replaced value moves to the most recent end
+                    self._unlist(key)  # a replaced value moves to the most recent end
                     self._lru[key] = entry
+                    self._owned[owner] += entry.charge
                     self._touched.discard(key)
                 self._num_puts += len(batch)
             return True
@@ -244,6 +276,20 @@ class DiskStore:
         with self._lock:
             self._pinned.difference_update(keys)
 
+    def share_by(self, weight: Callable[[bytes], float]) -> None:
+        """A full store evicts from the owner with the most bytes per unit of `weight(owner)` first."""
+        self._weight = weight
+
+    def limit_by(self, cap_bytes: Callable[[bytes], int | None]) -> None:
+        """An owner may hold at most `cap_bytes(owner)` bytes of values (None: no limit)."""
+        self._cap = cap_bytes
+
+    def usage_by_owner(self) -> dict[bytes, OwnerUsage]:
+        with self._lock:
+            entries = Counter(entry.owner for entry in self._lru.values())
+            return {owner: OwnerUsage(entries[owner], self._owned[owner], self._over_limit[owner])
+                    for owner in {*entries, *self._over_limit}}
+
     def quarantine(self, key: bytes, reason: str) -> bool:
         """Moves a value that failed its checks out of `values`, keeping it and the reason for inspection.
 
@@ -255,7 +301,7 @@ class DiskStore:
         with self._guard(), self._write_lock:
             with self._lock:
                 # Out of the LRU first, so that making room for the record cannot pick it.
-                entry = self._lru.pop(key, None)
+                entry = self._unlist(key)
                 self._touched.discard(key)
                 if entry is not None:
                     self._num_corrupt += 1
@@ -322,17 +368,31 @@ class DiskStore:
                 return False
         return True
 
-    def _evict(self, nbytes: int) -> bool:
-        """Drops least recently used values worth at least `nbytes` (or all); False if there was none."""
+    def _fit_limit(self, owner: bytes, need: int, batch: Collection[bytes]) -> bool:
+        """Evicts the owner's own least recently used values until `need` more bytes (the batch's) fit under
+        its limit; False, evicting nothing, when its pinned values leave no room for them."""
+        cap = self._cap(owner)
+        while cap is not None:
+            with self._lock:
+                # The batch's keys are being rewritten: their old values count neither way.
+                mine = [(key, e.charge) for key, e in self._lru.items() if e.owner == owner and key not in batch]
+                held = sum(charge for _, charge in mine)
+                kept = sum(charge for key, charge in mine if key in self._pinned)
+                if kept + need > cap:
+                    self._over_limit[owner] += 1
+                    return False
+            if held + need <= cap:
+                break
+            if not self._evict(held + need - cap, owner, spare=batch):  # not while `held` is more than `kept`
+                return False
+        return True
+
+    def _evict(self, nbytes: int, owner: bytes | None = None, spare: Collection[bytes] = ()) -> bool:
+        """Drops values worth at least `nbytes` (or all that may go), pinned ones and `spare` passed over:
+        `owner`'s least recently used when given, else by shares (see `share_by`) or least recently used.
+        False if there was none."""
         with self._lock:
-            victims, freed = [], 0
-            for key, entry in self._lru.items():
-                if freed >= nbytes:
-                    break
-                if key in self._pinned:
-                    continue
-                victims.append(key)
-                freed += entry.charge
+            victims = self._victims(nbytes, owner, spare)
         if not victims:
             return False
         # A MapFullError here (not even a delete finds a free page) escapes to _guard: the store is jammed.
@@ -345,6 +405,37 @@ class DiskStore:
             self._num_evictions += len(victims)
         return True
 
+    def _victims(self, nbytes: int, owner: bytes | None, spare: Collection[bytes]) -> list[bytes]:
+        """The keys `_evict` drops. Caller holds `_lock`."""
+
+        def oldest(of: bytes | None) -> Iterator[bytes]:
+            return (key for key, e in self._lru.items()
+                    if (of is None or e.owner == of) and key not in self._pinned and key not in spare)
+
+        victims, freed = [], 0
+        if owner is not None or self._weight is None:
+            for key in oldest(owner):
+                if freed >= nbytes:
+                    break
+                victims.append(key)
+                freed += self._lru[key].charge
+            return victims
+        # Shares: each value from the owner standing highest as the values already chosen leave it.
+        held = Counter(self._owned)
+        queues: dict[bytes, Iterator[bytes]] = {}
+        while freed < nbytes:
+            for victim_owner in by_standing(held, self._weight):
+                key = next(queues.setdefault(victim_owner, oldest(victim_owner)), None)
+                if key is not None:
+                    break
+                del held[victim_owner]  # nothing of its may go
+            else:
+                break
+            victims.append(key)
+            freed += self._lru[key].charge
+            held[victim_owner] -= self._lru[key].charge
+        return victims
+
     def _write(self, body: Callable[[lmdb.Transaction], object], need: int = 0) -> bool:
         """Runs `body` (writing about `need` bytes) in one write transaction; on a full map evicts
         more and retries. False if it never fit.
@@ -354,13 +445,13 @@ class DiskStore:
         """
         for _ in range(MAX_WRITE_ATTEMPTS):
             with self._lock:
-                touched = {key: (e.seq, e.charge) for key in self._touched if (e := self._lru.get(key))}
+                touched = {key: e.record() for key in self._touched if (e := self._lru.get(key))}
             try:
                 # buffers=True: reads inside a write are views of the map, valid until commit;
                 # a body copies what it keeps.
                 with self._env.begin(write=True, buffers=True) as txn:
-                    for key, (seq, charge) in touched.items():
-                        txn.put(key, _ORDER.pack(seq, charge), db=self._order)
+                    for key, record in touched.items():
+                        txn.put(key, record, db=self._order)
                     body(txn)
             except lmdb.MapFullError:
                 # Tree pages, a free list too fragmented for a long overflow run, or pages a reader
@@ -372,7 +463,7 @@ class DiskStore:
             with self._lock:
                 # A key read again meanwhile has a newer sequence, still to save.
                 self._touched -= {
-                    key for key, (seq, _) in touched.items() if key not in self._lru or self._lru[key].seq == seq
+                    key for key, record in touched.items() if key not in self._lru or self._lru[key].record() == record
                 }
             return True
         return False
@@ -385,9 +476,18 @@ class DiskStore:
     def _forget(self, keys: Sequence[bytes]) -> None:
         with self._lock:
             for key in keys:
-                self._lru.pop(key, None)
+                self._unlist(key)
                 self._touched.discard(key)
                 self._pinned.discard(key)
+
+    def _unlist(self, key: bytes) -> _Entry | None:
+        """Takes a key out of the LRU and its owner's bytes. Caller holds `_lock`."""
+        entry = self._lru.pop(key, None)
+        if entry is not None:
+            self._owned[entry.owner] -= entry.charge
+            if not self._owned[entry.owner]:
+                del self._owned[entry.owner]
+        return entry
 
     def _measure(self) -> None:
         """Reads the pages LMDB's trees hold now (the free list's own pages are in the slack)."""
@@ -443,11 +543,17 @@ class DiskStore:
 
 
 def _read_lru(txn: lmdb.Transaction, order_db: lmdb._Database) -> OrderedDict[bytes, _Entry]:
-    entries = [(key, _Entry(*_ORDER.unpack(raw))) for key, raw in txn.cursor(db=order_db)]
+    entries = [(key, _order_entry(raw)) for key, raw in txn.cursor(db=order_db)]
     entries.sort(key=lambda item: item[1].seq)
     return OrderedDict(entries)
 
 
+
+def _order_entry(record: bytes) -> _Entry:
+    """An `order` record; one written before owners were kept ends after the numbers (then the owner is b"").
+    A record shorter than the numbers raises struct.error (a damaged page)."""
+    seq, charge = _ORDER.unpack_from(record)
+    return _Entry(seq, charge, bytes(record[_ORDER.size:]))
 
 
 def _drop_oldest_quarantined(txn: lmdb.Transaction, quarantine_db: lmdb._Database) -> None:

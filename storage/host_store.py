@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from kvtierd.storage.chunk_store import StoreStats
+from kvtierd.storage.owner_shares import by_standing
 from kvtierd.storage.store_errors import StoreUnavailableError
 
 ALIGN = 64  # bytes: a cache line, and every dtype's alignment
@@ -238,7 +239,7 @@ class HostStore:
         victim = None
         if self._weight is not None:
             # Owners by slots per weight, most first; the first with an evictable value gives its oldest.
-            for owner in sorted(self._owned, key=lambda o: -self._owned[o] / self._weight(o)):
+            for owner in by_standing(self._owned, self._weight):
                 if (victim := self._oldest_evictable(owner)) is not None:
                     break
         if victim is None:

@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+from waiting import wait_until
+
 
 def ctl(daemon, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "kvtierd.cli.ctl", "--socket", str(daemon.socket), *args],
@@ -78,8 +80,19 @@ def test_tiers_by_tenant_and_the_under_share_counter(daemon):
     rows = {t["tenant"]: t for t in data["tenants"]}
     for tenant in ("shares-quiet", "shares-noisy"):
         assert rows[tenant]["device_pages"] >= 2 and rows[tenant]["weight"] == 1.0 and rows[tenant]["share_pages"] > 0
+    with daemon.client(**{"X-Kvtierd-Tenant": "shares-quiet"}) as c:  # a session's turn is written to disk
+        sid = c.post("/v1/sessions", json={"system_prompt": "The quiet tenant's session. " * 6}).json()["id"]
+        assert c.post(f"/v1/sessions/{sid}/messages", json={"content": "Hi", "max_tokens": 2}).status_code == 200
+
+    def disk_of(tenant: str) -> dict | None:
+        row = next((t for t in ctl_json(daemon, "tiers")["tenants"] if t["tenant"] == tenant), None)
+        return row if row and row["disk_chunks"] else None
+
+    quiet = wait_until(lambda: disk_of("shares-quiet"), "the quiet tenant's turn on disk")
+    assert quiet["disk_bytes"] > 0 and quiet["disk_over_limit"] == 0
     table = ctl(daemon, "tiers", "--tenant")
     assert table.returncode == 0 and "shares-quiet" in table.stdout and "Under share" in table.stdout
+    assert "Disk chunks" in table.stdout
     with daemon.client() as c:
         metrics = c.get("/metrics").text
     assert "kvtierd_cache_evictions_under_share_total " in metrics

@@ -15,6 +15,7 @@ but are never evicted; the reserved region keeps its own rule (a lower class can
 A tenant is a namespace root here (model fingerprint + tenant salt); the public namespace is one more
 tenant, named "public". Weights are by tenant name (`[qos] tenant_cache_weights`); a tenant not named
 weighs 1. With shares off, one policy orders every tenant's pages as before; the counts are kept either way.
+The arithmetic lives in `storage/owner_shares.py`: the host slab and the disk store share by it too.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from dataclasses import dataclass, replace
 from kvtierd.cache.block_hash import BlockHash
 from kvtierd.cache.eviction import EvictionPolicy, IdlePage
 from kvtierd.cache.retention import RetainingPolicy
+from kvtierd.storage.owner_shares import WeightedShares
 
 
 @dataclass(slots=True)
@@ -48,9 +50,8 @@ class CacheShares:
         self.enabled = enabled
         self.tenant_weights = weights
         self.names: dict[BlockHash, str] = {}  # root -> tenant name, as the engine registered it
-        self.cached: Counter[BlockHash] = Counter()  # indexed device pages per root
+        self.pages: WeightedShares[BlockHash] = WeightedShares(self.weight)  # indexed device pages per root
         self.counts: dict[BlockHash, TenantCacheCounts] = {}
-        self._weight_sum = 0.0  # of the roots with cached pages
 
     def name(self, root: BlockHash, tenant: str) -> None:
         self.names.setdefault(root, tenant)
@@ -58,29 +59,25 @@ class CacheShares:
     def weight(self, root: BlockHash) -> float:
         return self.tenant_weights.get(self.names.get(root, ""), 1.0)
 
+    @property
+    def cached(self) -> Counter[BlockHash]:
+        return self.pages.held
+
     def standing(self, root: BlockHash) -> float:
-        return self.cached[root] / self.weight(root)
+        return self.pages.standing(root)
 
     def share_pages(self, root: BlockHash) -> float:
         """The cached pages this tenant is entitled to now."""
-        total = sum(self.cached.values())
-        weight = self.weight(root)
-        others = self._weight_sum - (weight if self.cached[root] else 0.0)
-        return total * weight / (others + weight)
+        return self.pages.share(root)
 
     def is_under_share(self, root: BlockHash) -> bool:
-        return self.cached[root] < self.share_pages(root)
+        return self.pages.is_under_share(root)
 
     def add_page(self, root: BlockHash) -> None:
-        if not self.cached[root]:
-            self._weight_sum += self.weight(root)
-        self.cached[root] += 1
+        self.pages.add(root)
 
     def remove_page(self, root: BlockHash) -> None:
-        self.cached[root] -= 1
-        if not self.cached[root]:
-            del self.cached[root]
-            self._weight_sum -= self.weight(root)
+        self.pages.remove(root)
 
     def counts_of(self, root: BlockHash) -> TenantCacheCounts:
         counts = self.counts.get(root)

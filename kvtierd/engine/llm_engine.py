@@ -92,12 +92,8 @@ class LLMEngine:
         self.namespaces: dict[bytes, str] = {}  # cache root -> tenant, for reports
         self.cache_shares = CacheShares(config.qos.tenant_cache_weights, config.qos.cache_shares)
         self.tiers = TierManager(config.tiers, self.pool, loaded.fingerprint) if config.tiers is not None else None
-        if self.tiers is not None and self.tiers.host is not None and self.cache_shares.enabled:
-            self.tiers.host.share_by(self.cache_shares.weight)  # the host tier's slots are shared the same way
-        caps = config.qos.tenant_host_bytes
-        if self.tiers is not None and self.tiers.host is not None and caps:
-            names = self.cache_shares.names
-            self.tiers.host.limit_by(lambda root: caps.get(names.get(root, ""), caps.get("*")))
+        if self.tiers is not None:
+            self._share_tiers(config.qos)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.eviction_policy, config.prefix_ttl_s,
                                  hash_algorithm=config.hash_algorithm,
                                  prefix_min_hits_per_hour=config.prefix_min_hits_per_hour,
@@ -121,6 +117,17 @@ class LLMEngine:
         self.snapshot = EngineSnapshot()
         self._ids = itertools.count()
         self._idle_saved: int | None = None  # pages the watermark covered in this idle spell; None: none yet
+
+    def _share_tiers(self, qos: QosConfig) -> None:
+        """The host slots and disk bytes are shared by the device's weights, and capped per tenant."""
+        names = self.cache_shares.names
+        for store, caps in ((self.tiers.host, qos.tenant_host_bytes), (self.tiers.disk, qos.tenant_disk_bytes)):
+            if store is None:
+                continue
+            if self.cache_shares.enabled:
+                store.share_by(self.cache_shares.weight)
+            if caps:
+                store.limit_by(lambda root, caps=caps: caps.get(names.get(root, ""), caps.get("*")))
 
     # -- requests -------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from kvtierd.server.errors import ApiError
 from kvtierd.server.placement import placed_here
 from kvtierd.server.session_routes import drop_session_kv, message_json, query_limit, session_json, session_tenant
 from kvtierd.server.state import STATE, DaemonState
+from kvtierd.storage.disk_store import OwnerUsage
 from kvtierd.tiers.tier_stats import TierStats
 
 routes = web.RouteTableDef()
@@ -123,18 +124,24 @@ def tiers_json(state: DaemonState) -> dict:
 
 
 def tenants_json(eng) -> list[dict]:
-    """Each tenant's cached device pages against its share, its page hits and evictions, and its host chunks."""
+    """Each tenant's cached device pages against its share, its page hits and evictions, its host chunks, and
+    its disk chunks and bytes (with its chunks not written at its disk limit; disk values stored before owners
+    were recorded are the tenant "(unowned)")."""
     shares = eng.cache_shares
     host = eng.tiers.host.slots_by_owner() if eng.tiers is not None and eng.tiers.host is not None else {}
+    disk = eng.tiers.disk.usage_by_owner() if eng.tiers is not None and eng.tiers.disk is not None else {}
+    no_disk = OwnerUsage(0, 0, 0)
     rows = []
-    for root in {*shares.cached, *shares.counts, *host}:
+    for root in {*shares.cached, *shares.counts, *host, *disk}:
         counts = shares.counts_of(root) if root in shares.counts else None
+        on_disk = disk.get(root, no_disk)
         rows.append({
-            "tenant": shares.names.get(root, root.hex()[:16]), "weight": shares.weight(root),
+            "tenant": shares.names.get(root, root.hex()[:16] or "(unowned)"), "weight": shares.weight(root),
             "device_pages": shares.cached[root], "share_pages": round(shares.share_pages(root), 1),
             "hits": counts.hits if counts else 0, "evictions": counts.evictions if counts else 0,
             "evictions_under_share": counts.evictions_under_share if counts else 0,
             "host_chunks": host.get(root, 0),
+            "disk_chunks": on_disk.entries, "disk_bytes": on_disk.nbytes, "disk_over_limit": on_disk.over_limit,
         })
     return sorted(rows, key=lambda r: (-r["device_pages"], r["tenant"]))
 

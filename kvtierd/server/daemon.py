@@ -76,7 +76,8 @@ def qos_config(settings: Settings) -> QosConfig:
                      reserved_max_share=settings.reserved_max_share, reserved_window_s=settings.reserved_window_s,
                      pin_share=settings.pin_share, cache_shares=settings.cache_shares,
                      tenant_cache_weights=settings.tenant_cache_weights,
-                     tenant_host_bytes={t: lim.host for t, lim in settings.tenant_limits.items() if lim.host})
+                     tenant_host_bytes={t: lim.host for t, lim in settings.tenant_limits.items() if lim.host},
+                     tenant_disk_bytes={t: lim.disk for t, lim in settings.tenant_limits.items() if lim.disk})
 
 
 def tier_config(settings: Settings) -> TierConfig | None:

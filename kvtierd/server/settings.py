@@ -315,14 +315,14 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("tenant_max_classes", "qos", "tenant_max_classes", "", parse_tenant_classes,
             "the highest class a tenant may use: a request above it is lowered to it, e.g. batch=low"),
     Setting("cache_shares", "qos", "cache_shares", True, parse_bool,
-            "eviction takes first from tenants above their weighted share of the cached pages (device and host); "
+            "eviction takes first from tenants above their weighted share of the cached pages (device, host and disk); "
             "off: one policy orders every tenant's pages"),
     Setting("tenant_cache_weights", "qos", "tenant_cache_weights", "", parse_tenant_weights,
             "a tenant's weight for its share of the cached pages (not named: 1), e.g. alice=2,batch=0.5"),
     Setting("tenant_limits", "qos", "tenant_limits", "", lambda v: parse_tenant_limits(v, parse_bytes),
             "per-tenant limits (* for tenants not named): sessions (stored) and inflight (requests) answer 429 "
-            "past them; host (bytes of host-tier KV) evicts the tenant's own chunks first, e.g. "
-            "alice=sessions:100 inflight:4 host:256MiB, *=inflight:16"),
+            "past them; host and disk (bytes of host- and disk-tier KV) evict the tenant's own chunks first, e.g. "
+            "alice=sessions:100 inflight:4 host:256MiB disk:4GiB, *=inflight:16"),
     Setting("store_url", "store", "url", None, parse_optional_str,
             "SQLAlchemy URL of the session store (default: sqlite under the state dir; postgresql+psycopg://... for fleets)"),
 )

@@ -1,11 +1,14 @@
-"""Per-tenant limits (`[qos] tenant_limits`): stored sessions, requests in flight, KV bytes in the host tier.
+"""Per-tenant limits (`[qos] tenant_limits`): stored sessions, requests in flight, KV bytes in the host and
+disk tiers.
 
-    tenant_limits = "alice=sessions:100 inflight:4 host:256MiB, *=inflight:16"
+    tenant_limits = "alice=sessions:100 inflight:4 host:256MiB disk:4GiB, *=inflight:16"
 
 `*` applies to every tenant not named. Past `sessions` or `inflight`, a request gets 429 naming the limit
 and its value; nothing stored is touched (the session is not created, the request is not queued). `host`
 is not refused but kept: a tenant holding its limit in host slots evicts its own least recently used chunk
-for its next one (storage/host_store.py), so its host share goes before anyone else's.
+for its next one (storage/host_store.py), so its host share goes before anyone else's. So is `disk`: past
+it, the tenant's own least recently used values go to make room for its next (storage/disk_store.py); a
+chunk that its pinned values leave no room for is not written (counted), and the request is served anyway.
 """
 
 from __future__ import annotations
@@ -27,13 +30,14 @@ class TenantLimits:
     sessions: int | None = None  # sessions in the session store
     inflight: int | None = None  # requests being served at once
     host: int | None = None  # bytes of KV chunks in the host tier
+    disk: int | None = None  # bytes of KV values in the disk tier (as stored: encoded, rounded to pages)
 
 
 NO_LIMITS = TenantLimits()
 
 
 def parse_tenant_limits(value: Any, parse_bytes=int) -> dict[str, TenantLimits]:
-    """`"alice=sessions:100 inflight:4 host:256MiB, *=inflight:16"` -> tenant -> its limits."""
+    """`"alice=sessions:100 inflight:4 host:256MiB disk:4GiB, *=inflight:16"` -> tenant -> its limits."""
     out: dict[str, TenantLimits] = {}
     names = {f.name for f in fields(TenantLimits)}
     for item in filter(None, (i.strip() for i in str(value).split(","))):
@@ -43,7 +47,7 @@ def parse_tenant_limits(value: Any, parse_bytes=int) -> dict[str, TenantLimits]:
             name, _, number = part.partition(":")
             if name not in names or name in limits:
                 raise ValueError(f"{item!r}: name each of {', '.join(sorted(names))} at most once, as name:number")
-            n = parse_bytes(number) if name == "host" else int(number) if number.isdigit() else -1
+            n = parse_bytes(number) if name in ("host", "disk") else int(number) if number.isdigit() else -1
             if not n > 0:
                 raise ValueError(f"{item!r}: {name} must be a positive number")
             limits[name] = n

@@ -534,7 +534,7 @@ class TierManager:
                 self._put_host(key, identity, lambda out, ids=c.block_ids: self._pages.gather_into(out, ids))
             else:  # on this thread, not the writer's: the pin must find the value committed
                 frame = encode_frame(identity, _bytes(self._pages.gather(c.block_ids)), codec=self.disk_codec)
-                self._writer.call(lambda: self.disk.put_many([(key, frame)]), False)
+                self._writer.call(lambda: self.disk.put_many([(key, frame)], owner=identity.namespace), False)
         if store.pin(keys) != len(keys):  # a write failed, or another chunk's write evicted one
             store.unpin(keys)
             return False
