@@ -52,6 +52,9 @@ class ReferencePlan:
     batch: PagedBatch
     decode_groups: list[DecodeGroup]
     prefill_blocks: list[torch.Tensor]  # per prefill sequence: [its pages] int64
+    # per prefill sequence: its causal mask [q_len, ctx] when it follows a cached prefix (else None),
+    # built once a step rather than in each layer
+    prefill_masks: list[torch.Tensor | None]
 
     @classmethod
     def build(cls, batch: PagedBatch) -> "ReferencePlan":
@@ -59,10 +62,20 @@ class ReferencePlan:
         groups = _decode_groups(batch.context_lens_host[:nd])
         decode_groups = [_decode_group(batch, None if len(groups) == 1 else rows) for rows in groups]
         bs = batch.block_size
-        prefill_blocks = [
-            _blocks(batch.block_tables[i], batch.context_lens_host[i], bs) for i in range(nd, batch.num_seqs)
-        ]
-        return cls(batch, decode_groups, prefill_blocks)
+        prefills = range(nd, batch.num_seqs)
+        prefill_blocks = [_blocks(batch.block_tables[i], batch.context_lens_host[i], bs) for i in prefills]
+        masks = [_prefix_causal_mask(batch.query_lens_host[i], batch.context_lens_host[i], batch.block_tables.device)
+                 for i in prefills]
+        return cls(batch, decode_groups, prefill_blocks, masks)
+
+
+def _prefix_causal_mask(q_len: int, ctx: int, device: torch.device) -> torch.Tensor | None:
+    """Bottom-right aligned causal mask `[q_len, ctx]` (True: attended): the new tokens follow the cached
+    prefix. None when nothing is cached (SDPA's own causal mask covers it)."""
+    if q_len == ctx:
+        return None
+    rows = torch.arange(q_len, device=device).unsqueeze(1) + (ctx - q_len)
+    return torch.arange(ctx, device=device).unsqueeze(0) <= rows
 
 
 def _decode_groups(context_lens: list[int], min_span: int = 64) -> list[list[int]]:
@@ -120,18 +133,13 @@ def paged_attention(
             out.index_copy_(0, g.rows, od)
 
     start = nd  # decodes hold exactly one token each
-    for i, blocks in enumerate(plan.prefill_blocks, start=nd):
+    for i, (blocks, mask) in enumerate(zip(plan.prefill_blocks, plan.prefill_masks, strict=True), start=nd):
         q_len, ctx = batch.query_lens_host[i], batch.context_lens_host[i]
         qi = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
         ki = _gather(k_cache, blocks, ctx, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
         vi = _gather(v_cache, blocks, ctx, q.dtype).transpose(0, 1).unsqueeze(0)
-        if q_len == ctx:
-            oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            # Bottom-right aligned causal mask: the new tokens follow the cached prefix.
-            rows = torch.arange(q_len, device=q.device).unsqueeze(1) + (ctx - q_len)
-            mask = torch.arange(ctx, device=q.device).unsqueeze(0) <= rows
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True)
+        oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                            enable_gqa=True)
         out[start : start + q_len] = oi.squeeze(0).transpose(0, 1)
         start += q_len
     assert start == num_tokens, "query_start_loc disagrees with q"
