@@ -12,6 +12,7 @@ from kvtierd.engine.sampling_params import SamplingParams
 from kvtierd.model.errors import ModelLoadError
 from kvtierd.model.loader import convert_loaded
 from kvtierd.model.model_cache import ModelCache
+from kvtierd.model.llama import top_k_indices
 from kvtierd.model.packed_matrix import can_pack, pack
 from kvtierd.model.quantized import INT4_GROUP, quantize
 from kvtierd.model.weight_modes import WEIGHT_MODES, resolve_kv_dtype, resolve_weight_mode
@@ -64,6 +65,16 @@ def test_a_packed_matrix_computes_what_the_plain_one_does(rows):
     packed = pack(w)
     torch.testing.assert_close(packed.matmul(x, b), torch.nn.functional.linear(x, w, b))
     assert torch.equal(packed.to_dense(), w) and packed.num_bytes() == w.numel() * 2
+
+
+@pytest.mark.parametrize("case", ["spread", "one block", "narrow"])
+def test_the_two_level_top_k_finds_what_topk_finds(case):
+    torch.manual_seed(1)
+    x = torch.randn(4, 300 if case == "narrow" else 49152)
+    if case == "one block":
+        x[:, 1280:1408] += 100  # every row's 64 largest values sit in one block of 128
+    found = top_k_indices(x, 64).sort(dim=-1).values
+    assert torch.equal(found, x.topk(64, dim=-1).indices.sort(dim=-1).values)
 
 
 def test_the_converted_model_cache_keys_entries_by_mode(loaded, tmp_path):

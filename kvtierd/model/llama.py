@@ -27,6 +27,21 @@ QUANTIZED_MAX_TOKENS = 4
 REFINED_TOP_K = 64
 
 
+def top_k_indices(x: torch.Tensor, k: int, block: int = 128) -> torch.Tensor:
+    """The indices of each row's k largest values (in no order), as `x.topk(k).indices`, in two levels:
+    the k blocks of `block` values with the largest maxima hold the k largest values (a value in any other
+    block has k block maxima at least as large), so only they are searched. torch's topk over a 49,152-token
+    vocabulary is ~1.6x slower than block maxima plus a topk over k blocks."""
+    n, width = x.shape
+    if width % block or width // block < 2 * k:
+        return x.topk(k, dim=-1, sorted=False).indices
+    blocks = x.view(n, width // block, block)
+    best = blocks.amax(dim=-1).topk(k, dim=-1, sorted=False).indices  # [n, k]
+    candidates = blocks.gather(1, best.unsqueeze(-1).expand(n, k, block)).view(n, k * block)
+    within = candidates.topk(k, dim=-1, sorted=False).indices
+    return best.gather(1, within // block) * block + within % block
+
+
 def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
     """The float32 residual stream normed (float32 weights, one fused op, as transformers does), handed
     to the matrices in the compute dtype."""
@@ -112,6 +127,6 @@ class LlamaModel:
         exact = self.weights.lm_head_exact
         if exact is None:
             return logits
-        top = logits.topk(min(REFINED_TOP_K, logits.shape[-1]), dim=-1).indices  # [n, k]
+        top = top_k_indices(logits, min(REFINED_TOP_K, logits.shape[-1]))  # [n, k]
         rows = exact.index_select(0, top.flatten()).view(*top.shape, -1)  # [n, k, hidden]
         return logits.scatter_(-1, top, torch.bmm(rows, hidden.unsqueeze(-1)).squeeze(-1))
