@@ -1,11 +1,11 @@
 """Requests whose prefix is being loaded from the lower tiers: the page side of a two-phase load.
 
     arrival --look_ahead--> (its lookup runs on a lookup worker while it queues)
-    waiting --look_up--> looking up --(answer: start loads)--> loading --(every load done)--> ready --finish--> admitted
+    waiting --look_up--> looking up --(answer: start loads)--> loading --(every load done)--> ready --finish--> queued
                 |                \\--(nothing below)------------------------------------------/
                 \\--(answer there already)--> loading, or admitted at once when nothing is below
-      any state before admitted --(deadline passed)--> ready: what has not arrived is recomputed
-      any state before admitted --cancel (client hung up, refused)--> gone: pages released, loads abandoned
+      any state before queued --(deadline passed)--> ready: what has not arrived is recomputed
+      any state before queued --cancel (client hung up, refused)--> gone: pages released, loads abandoned
 
 Lookups run on the transfer queue's lookup workers, never on the step: a
 Redis that answers slowly or not at all holds the looking-up request (up to
@@ -18,9 +18,10 @@ manager's transfer workers. Meanwhile the request holds its device prefix
 pages and each load holds its destination pages, so neither is evicted or
 written; the engine goes on stepping the others. `finish` indexes the loaded
 pages in chain order (a page whose predecessor failed to load stays
-unindexed: no lookup could reach it), then lets go of them: the request's
-admission adopts them from the prefix index like any cached page, and
-computes the rest.
+unindexed: no lookup could reach it), then lets go of every page the ticket
+held: the request queues holding none, and its admission adopts them from the
+prefix index like any cached page (what was evicted meanwhile is recomputed),
+and computes the rest.
 
 A load's deadline is the planner's estimate of recomputing what it loads:
 past it the request stops waiting and recomputes what has not arrived (the
@@ -62,6 +63,16 @@ class LoadTicket:
     tokens_by_tier: dict[str, int] = field(default_factory=dict)  # filled by finish: tokens loaded, by tier
     chain_blocks: list[int] = field(default_factory=list)  # filled by finish: the indexed prefix, device + loaded
     chain_hashes: list[bytes] = field(default_factory=list)
+
+    def tokens_kept(self, num_tokens: int, block_size: int) -> dict[str, int]:
+        """`tokens_by_tier` of what a prefix of `num_tokens` (adopted after it arrived) still holds: loaded
+        pages evicted before the adoption count for no tier (they are recomputed)."""
+        left = num_tokens - len(self.device_blocks) * block_size
+        kept = {}
+        for tier, tokens in self.tokens_by_tier.items():  # in chain order
+            kept[tier] = max(0, min(tokens, left))
+            left -= kept[tier]
+        return kept
 
 
 class Loading:
@@ -163,7 +174,8 @@ class Loading:
 
     def finish(self, seq_id: str, epoch: int) -> LoadTicket:
         """Ends a ready ticket: indexes what arrived in order (unless an invalidation came in between) and
-        lets go of every page it held. Call right before the request adopts its prefix."""
+        lets go of every page it held (the request's admission adopts them from the index). Call between
+        steps."""
         t = self._tickets.pop(seq_id)
         blocks, hashes = list(t.device_blocks), list(t.device_hashes)
         if t.lookup is not None:  # its deadline passed while looking up: it computes everything past the device
