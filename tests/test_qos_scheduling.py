@@ -138,15 +138,17 @@ def test_a_high_request_preempts_low_ones_which_resume_with_identical_output(loa
 
 def test_preempted_requests_resume_from_the_host_tier_their_evicted_pages_went_to(loaded, make_engine):
     """Preemption frees a request's pages without forgetting them: its full pages stay indexed, and when the
-    high request's allocations evict them they are saved to the host tier on the way out. Resumed, the low
-    requests end as if never stopped. (Whether a resumed one loads its pages back from the host depends on
-    timing since lookups run off the step: its lookup can run before the pages evicted in the same step are
-    saved; issue 15 has it as open work.)"""
+    high request's allocations evict them they are saved to the host tier on the way out. A resumed request
+    looks below only once the pages evicted in its step are saved (its lookup runs off the step), and waits
+    for pages for its loads while the high one holds them. It loads them back and ends as if never stopped.
+    The planner estimates recomputing at an hour a token, so no wait reaches its deadline, whatever this
+    machine's speed."""
     prompts = [chat(loaded, f"Tell me fact number {i} about paging, at some length please.") for i in range(4)]
     urgent = chat(loaded, "Quick: name a prime number, and then another one, and a third.")
     roomy = make_engine(block_size=4, kv_tokens=4096).generate(prompts + [urgent], GREEDY)
     tight = make_engine(block_size=4, kv_tokens=2 * (len(prompts[0]) + 16),
                         tiers=TierConfig(host_bytes=64 << 20, disk_bytes=0, chunk_pages=2))
+    tight.tiers.planner.recompute_cost = lambda tokens: 3600.0 * tokens
     lows = [tight.add_request(p, GREEDY, qos_class="low") for p in prompts]
     outs: dict[str, list[int]] = {}
     for _ in range(3):
@@ -157,7 +159,7 @@ def test_preempted_requests_resume_from_the_host_tier_their_evicted_pages_went_t
         for o in tight.step():
             outs.setdefault(o.request_id, []).extend(o.token_ids)
     host = tight.tier_stats()[0]
-    assert tight.counters.preemptions > 0 and host.writes > 0
+    assert tight.counters.preemptions > 0 and host.writes > 0 and host.hits > 0
     assert [outs[r] for r in lows + [high]] == roomy
     assert tight.kv.num_free_blocks == tight.kv.pool.num_blocks
 

@@ -204,3 +204,43 @@ def test_a_store_still_copying_keeps_its_pages_until_its_copy_is_made(loaded, ma
     assert_same_output(warm, cold_run(make_engine, prompt))
     assert_same_output(first, warm)
     again.close()
+
+
+def test_loaded_requests_that_fill_the_pool_all_run(loaded, make_engine):
+    """Three requests whose loads together take every page (as after a restart, three session turns sent side
+    by side with their KV below the device). Once loaded, a request queued for admission holds no pages: the
+    first one admitted needs a page more than its loaded prefix to compute its rest, and takes it from the
+    others' loaded prefixes (they recompute what it took). Had each held its loaded pages until its own
+    admission, none would ever be admitted (the daemon refused them after max_queue_s)."""
+    tok = loaded.tokenizer
+    prompts = [ask(tok, topic) for topic in ("paging", "eviction", "checksums")]
+    pages = [[tuple(p[i : i + 16]) for i in range(0, len(p) - 16, 16)] for p in prompts]
+    shared = next(i for i, page in enumerate(zip(*pages)) if len(set(page)) > 1)  # the chat template's head
+    below = [(len(p) - 1) // 16 - shared for p in prompts]  # each prompt's own full pages: loaded
+    engine = make_engine(kv_tokens=(shared + sum(below)) * 16, tiers=TierConfig(host_bytes=64 << 20, chunk_pages=4))
+    colds = [run_one(engine, p) for p in prompts]
+    for topic in ("quotas", "drains", "sessions"):  # they push the three out to the host tier
+        run_one(engine, ask(tok, topic))
+    slow_prefill(engine)
+    rids = [add_looked_up(engine, p) for p in prompts]
+    engine.step()  # the three start loading: their loads take every page
+    assert len(engine.scheduler.loading) == 3 and engine.kv.pool.num_free_blocks == 0
+    outs: dict[str, list] = {rid: [] for rid in rids}
+
+    def step() -> None:
+        for o in engine.step():
+            outs[o.request_id].append(o)
+
+    while engine.scheduler.loading:
+        step()
+    for _ in range(10 * PARAMS.max_tokens):  # each one's prefill and decodes, one request at a time at worst
+        step()
+        if not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished(), "the loaded requests wait for pages nobody gives back"
+    for rid, cold in zip(rids, colds, strict=True):
+        assert_same_output(outs[rid], cold)
+    for rid in rids:  # what it loaded and was taken before its admission counts for no tier
+        assert min(outs[rid][0].cached_tokens_by_tier.values()) >= 0
+    assert sum(outs[rid][0].cached_tokens_by_tier["host"] for rid in rids) >= 64
+    assert engine.kv.pool.num_used_blocks == 0

@@ -317,8 +317,8 @@ class KVCacheManager:
         return self.loading.ready(seq_id)
 
     def finish_load(self, seq_id: str) -> LoadTicket:
-        """Indexes what a ready sequence loaded and lets go of the pages it held (the adoption that follows
-        takes them from the index)."""
+        """Indexes what a ready sequence loaded and lets go of the pages it held (its admission takes them
+        from the index)."""
         return self.loading.finish(seq_id, self._invalidations)
 
     def wait_for_loads(self, timeout_s: float = LOAD_POLL_S) -> None:

@@ -1,11 +1,12 @@
 """Requests whose prefix is being loaded from the lower tiers: the page side of a two-phase load.
 
     arrival --look_ahead--> (its lookup runs on a lookup worker while it queues)
-    waiting --look_up--> looking up --(answer: start loads)--> loading --(every load done)--> ready --finish--> admitted
+    waiting --look_up--> looking up --(answer: start loads)--> loading --(every load done)--> ready --finish--> queued
                 |                \\--(nothing below)------------------------------------------/
                 \\--(answer there already)--> loading, or admitted at once when nothing is below
-      any state before admitted --(deadline passed)--> ready: what has not arrived is recomputed
-      any state before admitted --cancel (client hung up, refused)--> gone: pages released, loads abandoned
+      loading, no pages for its first load --(pages freed: checked each step)--> loading
+      any state before queued --(deadline passed)--> ready: what has not arrived is recomputed
+      any state before queued --cancel (client hung up, refused)--> gone: pages released, loads abandoned
 
 Lookups run on the transfer queue's lookup workers, never on the step: a
 Redis that answers slowly or not at all holds the looking-up request (up to
@@ -18,9 +19,10 @@ manager's transfer workers. Meanwhile the request holds its device prefix
 pages and each load holds its destination pages, so neither is evicted or
 written; the engine goes on stepping the others. `finish` indexes the loaded
 pages in chain order (a page whose predecessor failed to load stays
-unindexed: no lookup could reach it), then lets go of them: the request's
-admission adopts them from the prefix index like any cached page, and
-computes the rest.
+unindexed: no lookup could reach it), then lets go of every page the ticket
+held: the request queues holding none, and its admission adopts them from the
+prefix index like any cached page (what was evicted meanwhile is recomputed),
+and computes the rest.
 
 A load's deadline is the planner's estimate of recomputing what it loads:
 past it the request stops waiting and recomputes what has not arrived (the
@@ -59,16 +61,27 @@ class LoadTicket:
     epoch: int  # the cache's invalidation count when it began
     started: float = 0.0  # monotonic: when the request began waiting (its deadline counts from there)
     lookup: Future | None = None  # the lower tiers' lookup, until its answer started the loads
+    unstarted: list[FoundChunk] = field(default_factory=list)  # planned, no pages for the first yet: it waits
     tokens_by_tier: dict[str, int] = field(default_factory=dict)  # filled by finish: tokens loaded, by tier
     chain_blocks: list[int] = field(default_factory=list)  # filled by finish: the indexed prefix, device + loaded
     chain_hashes: list[bytes] = field(default_factory=list)
 
+    def tokens_kept(self, num_tokens: int, block_size: int) -> dict[str, int]:
+        """`tokens_by_tier` of what a prefix of `num_tokens` (adopted after it arrived) still holds: loaded
+        pages evicted before the adoption count for no tier (they are recomputed)."""
+        left = num_tokens - len(self.device_blocks) * block_size
+        kept = {}
+        for tier, tokens in self.tokens_by_tier.items():  # in chain order
+            kept[tier] = max(0, min(tokens, left))
+            left -= kept[tier]
+        return kept
+
 
 class Loading:
-    def __init__(self, pool: BlockPool, tiers: TierManager, block_size: int, before_write: Callable[[], None],
+    def __init__(self, pool: BlockPool, tiers: TierManager, block_size: int, save_evicted: Callable[[], None],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._pool = pool
-        self._before_write = before_write
+        self._save_evicted = save_evicted
         self._tiers = tiers
         self._transfers = tiers.transfers
         self._block_size = block_size
@@ -100,10 +113,13 @@ class Loading:
         `seq_id in self` after it when it is looking up or loading; the plan of an answer already there."""
         start, future = self._early.pop(seq_id, (None, None))
         if start != len(block_ids):
+            # Pages evicted in this step (a request just preempted: its own) are saved below before it looks.
+            self._save_evicted()
             future = self._transfers.look_up(lookup)
         if future.done():
             found = _found(future)
-            return self.begin(seq_id, block_ids, block_hashes, found, high, epoch) if found else NOTHING_BELOW
+            return self.begin(seq_id, block_ids, block_hashes, found, high, epoch, wait_for_pages=True) \
+                if found else NOTHING_BELOW
         recompute_s = self._tiers.planner.recompute_s(pending_tokens)
         now = self._clock()
         self._pool.touch(block_ids, high)
@@ -113,14 +129,16 @@ class Loading:
         return NOTHING_BELOW
 
     def begin(self, seq_id: str, block_ids: list[int], block_hashes: list[bytes], below: list,
-              high: bool, epoch: int) -> RestorePlan:
+              high: bool, epoch: int, wait_for_pages: bool = False) -> RestorePlan:
         """Starts loading the chunks `below` that continue the device pages `block_ids`, under a ticket for
         `seq_id` unless nothing is loaded (the planner prefers recomputing, or there are no pages for the
-        first chunk). Returns the restore plan."""
+        first chunk and not `wait_for_pages`: the scheduler's requests wait, tools do not). Returns the plan."""
         self._pool.touch(block_ids, high)  # before any allocation: they are idle, the allocation could take them
         t = LoadTicket(list(block_ids), list(block_hashes), [], NOTHING_BELOW, high, None, epoch, started=self._clock())
         self._start_loads(seq_id, t, below)
-        if t.loads:
+        if not wait_for_pages:
+            t.unstarted = []
+        if t.loads or t.unstarted:
             self._tickets[seq_id] = t
         else:
             self._pool.release(block_ids, high)
@@ -128,12 +146,21 @@ class Loading:
 
     def _start_loads(self, seq_id: str, t: LoadTicket, below: list[FoundChunk]) -> None:
         """Plans the found chunks and submits the loads the plan keeps, as pages allow; the deadline is the
-        planner's estimate of recomputing them, from when the request began waiting. `before_write` runs
-        after pages were taken and before any load writes into them (evicted pages are saved below first)."""
-        t.plan = plan = self._tiers.planner.plan(self._costs(len(t.device_blocks), below))
+        planner's estimate of recomputing them, from when the request began waiting."""
+        t.plan = self._tiers.planner.plan(self._costs(len(t.device_blocks), below))
+        t.deadline = None if t.plan.recompute_s is None else t.started + t.plan.recompute_s
+        t.unstarted = below[: t.plan.num_chunks]
+        self._submit_loads(seq_id, t)
+
+    def _submit_loads(self, seq_id: str, t: LoadTicket) -> None:
+        """Submits the ticket's unstarted loads in chain order, as pages allow. With no pages for the first,
+        none starts and the ticket waits for pages until its deadline (without one it does not wait): a
+        request back from preemption finds the pages it lost below, but the others took the room it had.
+        Past a chunk with no pages, the rest is recomputed. Evicted pages are saved below before any load
+        writes into them."""
         on_device = len(t.device_blocks)
-        for found in below[: plan.num_chunks]:
-            skip = on_device - found.span.first_page if found is below[0] else 0
+        for found in t.unstarted:
+            skip = on_device - found.span.first_page if not t.loads else 0
             load = self._transfers.find(found, skip)
             if load is not None:
                 self._transfers.join(load, seq_id)
@@ -141,10 +168,11 @@ class Loading:
                 pages = self._pool.allocate(found.span.num_pages - skip, t.high)
                 if pages is None:
                     break
-                self._before_write()
+                self._save_evicted()
                 load = self._transfers.submit(seq_id, found, skip, pages, t.high)
             t.loads.append(load)
-        t.deadline = None if plan.recompute_s is None else t.started + plan.recompute_s
+        if t.loads or t.deadline is None:
+            t.unstarted = []
 
     def ready(self, seq_id: str) -> bool:
         """Its lookup answered and every load it started finished, or its deadline passed. Call between steps:
@@ -154,20 +182,24 @@ class Loading:
             found, t.lookup = _found(t.lookup), None
             if found:
                 self._start_loads(seq_id, t, found)
-                # Loads started on an answer seen only now have until the next call, past the deadline or not:
-                # the answer may have waited for a step to end, and a host or disk load takes less than a step.
-                return all(load.done for load in t.loads)
+                if t.loads:
+                    # Loads started on an answer seen only now have until the next call, past the deadline or
+                    # not: the answer may have waited for a step to end, and a host or disk load takes less.
+                    return all(load.done for load in t.loads)
+        elif t.unstarted:  # waiting for pages: those freed since the last call are its first
+            self._submit_loads(seq_id, t)
         if t.deadline is not None and self._clock() > t.deadline:
             return True
-        return t.lookup is None and all(load.done for load in t.loads)
+        return t.lookup is None and not t.unstarted and all(load.done for load in t.loads)
 
     def finish(self, seq_id: str, epoch: int) -> LoadTicket:
         """Ends a ready ticket: indexes what arrived in order (unless an invalidation came in between) and
-        lets go of every page it held. Call right before the request adopts its prefix."""
+        lets go of every page it held (the request's admission adopts them from the index). Call between
+        steps."""
         t = self._tickets.pop(seq_id)
         blocks, hashes = list(t.device_blocks), list(t.device_hashes)
-        if t.lookup is not None:  # its deadline passed while looking up: it computes everything past the device
-            self._transfers.stats.loads_past_deadline += 1
+        if t.lookup is not None or t.unstarted:  # its deadline passed while looking up or waiting for pages:
+            self._transfers.stats.loads_past_deadline += 1  # it computes everything past the device
         for load in t.loads:
             tier = load.tier() if load.done else None
             if tier is None or epoch != t.epoch:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvtierd.cache.block_hash import BlockHash
+from kvtierd.cache.loading import LoadTicket
 from kvtierd.engine.sampling_params import SamplingParams
 from kvtierd.model.detokenizer import IncrementalDetokenizer
 from kvtierd.tiers.restore_planner import NOTHING_BELOW, RestorePlan
@@ -76,6 +77,7 @@ class Request:
     generator: torch.Generator | None = None
     num_preemptions: int = 0
     prefix_loaded: bool = False  # its prefix was loaded from below for this admission: recompute what did not come
+    loaded: LoadTicket | None = None  # what its loads brought, from their arrival to its admission
     prompt_block_hashes: list[BlockHash] | None = None  # computed once, on first admission
 
     def __post_init__(self) -> None:

@@ -17,8 +17,9 @@ remote) leaves the queue while its chunks load on the transfer workers
 (`cache/loading.py`); the steps go on with everyone else. Each step looks at
 the loading requests first: one whose loads all arrived (or whose deadline,
 the planner's recompute estimate, passed) goes back to the head of its
-tenant's queue and is admitted with the loaded pages as its cached prefix,
-recomputing what did not arrive.
+tenant's queue, holding no pages (the loaded ones are cached), and is admitted
+with them as its cached prefix, recomputing what did not arrive (or was
+evicted meanwhile).
 
 Preemption: when pages run out for a running request, the lowest-class, most
 recently admitted one goes (the end of `running`). Before that, a waiting
@@ -322,11 +323,9 @@ class Scheduler:
     def _adopt_cached_prefix(self, req: Request) -> bool:
         """Starts `req`'s page table with its cached prefix; False (and nothing adopted) when its prefix
         started loading from below instead."""
-        kv, restore, by_tier = self.kv, None, {}
-        if kv.loading is not None and req.request_id in kv.loading:  # loaded (or its deadline passed)
-            ticket = kv.finish_load(req.request_id)
-            restore, by_tier = ticket.plan, ticket.tokens_by_tier
-            req.prefix_loaded = True
+        kv, restore, loaded = self.kv, None, req.loaded
+        if loaded is not None:  # its loads arrived (or its deadline passed): what came is cached now
+            restore, req.loaded, req.prefix_loaded = loaded.plan, None, True
         if self.enable_prefix_caching and not req.prefix_loaded:
             restore = kv.look_below(req.request_id, req.cache_root, req.token_ids, req.high)
             if kv.loading is not None and req.request_id in kv.loading:
@@ -338,16 +337,21 @@ class Scheduler:
         if req.num_cached_tokens < 0:  # what the client is told: the first admission's hit
             req.num_cached_tokens = min(hit.num_tokens, req.num_prompt_tokens)
             req.cache_source = hit.source
-            req.tokens_from_below = by_tier
+            req.tokens_from_below = loaded.tokens_kept(hit.num_tokens, kv.block_size) if loaded else {}
             req.restore = restore or hit.restore
             req.first_scheduled_time = time.monotonic()
         return True
 
     def _collect_loaded(self) -> None:
-        """Requests whose loads arrived (or whose deadline passed) go back to the head of their queue."""
+        """Requests whose loads arrived (or whose deadline passed) go back to the head of their queue. What
+        they loaded is indexed now and they let go of every page: queued, a request holds none, like any
+        other. Its loaded prefix stays cached (used last, so evicted last) for its admission to adopt. Were
+        the pages held until then, loaded requests could hold them all while the first one waits for one more
+        page to compute its rest, and none would ever be admitted."""
         self.kv.reap_loads()
-        for req in [r for r in self.loading if self.kv.load_ready(r.request_id)]:
+        for req in reversed([r for r in self.loading if self.kv.load_ready(r.request_id)]):  # in their order
             self.loading.remove(req)
+            req.loaded = self.kv.finish_load(req.request_id)
             self.waiting.add(req, front=True)
 
     def _add_to_plan(self, plan: StepPlan, room: _StepRoom, s: ScheduledRequest) -> None:
