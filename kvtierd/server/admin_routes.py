@@ -14,7 +14,7 @@ from kvtierd.server.errors import ApiError
 from kvtierd.server.placement import placed_here
 from kvtierd.server.session_routes import drop_session_kv, message_json, query_limit, session_json, session_tenant
 from kvtierd.server.state import STATE, DaemonState
-from kvtierd.storage.disk_store import OwnerUsage
+from kvtierd.storage.owner_shares import OwnerUsage
 from kvtierd.tiers.tier_stats import TierStats
 
 routes = web.RouteTableDef()
