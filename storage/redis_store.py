@@ -209,6 +209,10 @@ class RedisStore:
             )
         self._cap = cap_bytes
 
+    @property
+    def has_limits(self) -> bool:
+        return self._cap is not None
+
     def usage_by_owner(self, owners: Iterable[bytes]) -> dict[bytes, OwnerUsage]:
         """What the owners with a limit hold, as their ledgers record it (one round trip); {} without limits or
         when the server failed. The over-limit counts are this daemon's."""
@@ -219,7 +223,8 @@ class RedisStore:
         if usage is None:
             return {}
         with self._lock:
-            return {o: OwnerUsage(u.entries, u.nbytes, self._over_limit[o]) for o, u in zip(limited, usage, strict=True)}
+            return {o: OwnerUsage(u.entries, u.nbytes, self._over_limit[o])
+                    for o, u in zip(limited, usage, strict=True)}
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         return self._unlink(self._names(keys))

@@ -77,7 +77,8 @@ def qos_config(settings: Settings) -> QosConfig:
                      pin_share=settings.pin_share, cache_shares=settings.cache_shares,
                      tenant_cache_weights=settings.tenant_cache_weights,
                      tenant_host_bytes={t: lim.host for t, lim in settings.tenant_limits.items() if lim.host},
-                     tenant_disk_bytes={t: lim.disk for t, lim in settings.tenant_limits.items() if lim.disk})
+                     tenant_disk_bytes={t: lim.disk for t, lim in settings.tenant_limits.items() if lim.disk},
+                     tenant_remote_bytes={t: lim.remote for t, lim in settings.tenant_limits.items() if lim.remote})
 
 
 def tier_config(settings: Settings) -> TierConfig | None:
