@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 from chunk_fixtures import TINY
-from redis_fixtures import RedisServer
+from redis_fixtures import RedisFactory, RedisServer
 
 from kvtierd.storage.redis_keyspace import RedisKeyspace
 from kvtierd.storage.redis_store import RedisStore
@@ -130,3 +130,21 @@ def test_a_cluster_refuses_a_limit() -> None:
     store = RedisStore("redis+cluster://127.0.0.1:1", KEYSPACE, SECRET)
     with pytest.raises(StoreArgumentError, match="one Redis master"):
         store.limit_by(lambda owner: 1 << 20)
+
+
+def test_a_full_server_refuses_a_limited_write_softly(redis_factory: RedisFactory) -> None:
+    server = redis_factory.server("--maxmemory", "2mb", "--maxmemory-policy", "noeviction")
+    store = make_store(server, {ALICE: 1 << 30})
+    try:
+        results = [store.put_many([(key(ALICE, i), value(i) * 16)], owner=ALICE) for i in range(120)]
+        assert results[0] and not all(results)
+        refused = results.index(False)
+        assert store.get_many([key(ALICE, refused)]) == [None]
+        assert store.get_many([key(ALICE, 0)]) == [value(0) * 16]  # reads still work on a full server
+        stats = store.stats()
+        assert stats.num_rejected == results.count(False) and stats.num_failures == 0 and stats.healthy
+        usage = store.usage_by_owner([ALICE])[ALICE]
+        assert usage.over_limit == 0 and usage.entries == results.count(True)  # refused for memory, unrecorded
+    finally:
+        store.close()
+        server.stop()
