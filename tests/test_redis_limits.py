@@ -11,6 +11,8 @@ import pytest
 from chunk_fixtures import TINY
 from redis_fixtures import RedisFactory, RedisServer
 
+from kvtierd.server.daemon import remote_config
+from kvtierd.server.settings import SettingsError, load_settings
 from kvtierd.storage.redis_keyspace import RedisKeyspace
 from kvtierd.storage.redis_store import RedisStore
 from kvtierd.storage.store_errors import StoreArgumentError
@@ -148,3 +150,12 @@ def test_a_full_server_refuses_a_limited_write_softly(redis_factory: RedisFactor
     finally:
         store.close()
         server.stop()
+
+
+def test_a_daemon_refuses_remote_limits_on_a_cluster_at_start(tmp_path) -> None:
+    secret = tmp_path / "fleet.key"
+    secret.write_bytes(SECRET)
+    env = {"KVTIERD_REMOTE_SECRET_FILE": str(secret), "KVTIERD_TENANT_LIMITS": "alice=remote:1GiB"}
+    with pytest.raises(SettingsError, match="one Redis master"):
+        remote_config(load_settings(None, {**env, "KVTIERD_REMOTE_URL": "redis+cluster://127.0.0.1:1"}))
+    assert remote_config(load_settings(None, {**env, "KVTIERD_REMOTE_URL": "redis://127.0.0.1:1"})) is not None
