@@ -129,7 +129,7 @@ def tiers_json(state: DaemonState, remote_usage: dict[bytes, OwnerUsage] | None 
         "healthy": True,
     }] + [lower_tier_json(t, c.prompt_tokens, eng.tiers.chunk_pages, state.reconciliation)
           for t in eng.tier_stats()], "cache_shares": eng.cache_shares.enabled,
-        "tenants": tenants_json(eng, remote_usage or {})}
+        "tenants": tenants_json(eng, remote_usage)}
 
 
 def tenants_json(eng, remote: dict[bytes, OwnerUsage] | None = None) -> list[dict]:
