@@ -62,7 +62,7 @@ import lmdb
 
 from kvtierd.storage.chunk_store import StoreStats
 from kvtierd.storage.map_reader import MapReader
-from kvtierd.storage.owner_shares import by_standing
+from kvtierd.storage.owner_shares import OwnerUsage, by_standing
 from kvtierd.storage.store_errors import StoreUnavailableError
 
 # Kept free: map_size // SLACK_RATIO, between MIN_SLACK_PAGES (each write copies a few tree
@@ -88,15 +88,6 @@ class _Entry:
 
     def record(self) -> bytes:
         return _ORDER.pack(self.seq, self.charge) + self.owner
-
-
-@dataclass(frozen=True, slots=True)
-class OwnerUsage:
-    """What one owner holds in the store now, and its batches refused at its limit since open."""
-
-    entries: int
-    nbytes: int  # the charges of its values: what the limit and the shares count
-    over_limit: int
 
 
 class DiskStore:

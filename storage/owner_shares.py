@@ -12,9 +12,19 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 K = TypeVar("K", bound=Hashable)
+
+
+@dataclass(frozen=True, slots=True)
+class OwnerUsage:
+    """What one owner holds in a tier now, and its batches refused at its limit since open (disk, remote)."""
+
+    entries: int
+    nbytes: int  # what the limit counts (disk: the values' charges; remote: their sealed bytes)
+    over_limit: int
 
 
 def by_standing(held: Mapping[K, float], weight: Callable[[K], float]) -> list[K]:

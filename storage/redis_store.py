@@ -27,6 +27,11 @@ go to a circuit breaker; while it is open calls answer at once without
 touching the network, and `stats()` says why. Memory refusals do not count
 against the breaker: a full server still answers, and reads still work.
 
+Per-tenant limits (`limit_by`): a write of an owner with a limit is one Lua
+script that also keeps the owner's ledger in Redis and deletes its own oldest
+values past its limit (redis_ledger.py), atomic across the fleet. Without a
+limit a write is the plain pipeline above, and no ledger key is written.
+
 Threads: any thread may call any method; redis-py's connection pool hands each
 its own connection. `stats()` does no I/O: the server's figures come from an
 INFO read at most every USAGE_INTERVAL_S by the calls that talk to it anyway.
@@ -38,7 +43,8 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -47,8 +53,10 @@ from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 
 from kvtierd.storage.chunk_store import StoreStats
 from kvtierd.storage.circuit_breaker import BreakerState, CircuitBreaker
+from kvtierd.storage.owner_shares import OwnerUsage
 from kvtierd.storage.redis_client import RedisClient, open_client, parse_redis_url
 from kvtierd.storage.redis_keyspace import RedisKeyspace
+from kvtierd.storage.redis_ledger import RedisLedger
 from kvtierd.storage.store_errors import StoreArgumentError
 from kvtierd.storage.value_seal import ValueSeal
 
@@ -105,6 +113,9 @@ class RedisStore:
         self._usage_at = -math.inf
         self._num_puts = self._num_gets = self._num_hits = 0
         self._num_rejected = self._num_corrupt = self._num_failures = 0
+        self._ledger = RedisLedger(self.key_prefix, ttl_s)
+        self._cap: Callable[[bytes], int | None] | None = None  # bytes an owner may hold (None: any); None: no limits
+        self._over_limit: Counter[bytes] = Counter()  # batches refused at their owner's limit
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         names = self._names(keys)
@@ -151,12 +162,16 @@ class RedisStore:
         self._refresh_usage_if_stale()
         return frames
 
-    def put_many(self, items: Sequence[tuple[bytes, bytes]]) -> bool:
+    def put_many(self, items: Sequence[tuple[bytes, bytes]], owner: bytes = b"") -> bool:
+        """`owner`: the tenant namespace the values belong to (its limit, if it has one; b"": none)."""
         batch = dict(items)  # a key given twice keeps its last value
         names = self._names(list(batch))
         if not names:
             return True
         sealed = [self._seal.seal(name, frame) for name, frame in zip(names, batch.values(), strict=True)]
+        limit = self._cap(owner) if self._cap is not None and owner else None
+        if limit is not None:
+            return self._put_limited(owner, limit, names, sealed)
 
         def set_ex(client: RedisClient) -> bool:
             pipe = client.pipeline(transaction=False)
@@ -183,6 +198,33 @@ class RedisStore:
         if stored:
             self._refresh_usage_if_stale()
         return bool(stored)
+
+    def limit_by(self, cap_bytes: Callable[[bytes], int | None]) -> None:
+        """An owner may hold at most `cap_bytes(owner)` sealed bytes in the server (None: no limit), counted
+        across every daemon that writes its values. Raises StoreArgumentError on a Cluster."""
+        if self.target.topology == "cluster":
+            raise StoreArgumentError(
+                "per-tenant remote limits need one Redis master (single or Sentinel): a tenant's values are "
+                "spread over a Cluster's slots, and one script cannot delete them atomically there"
+            )
+        self._cap = cap_bytes
+
+    @property
+    def has_limits(self) -> bool:
+        return self._cap is not None
+
+    def usage_by_owner(self, owners: Iterable[bytes]) -> dict[bytes, OwnerUsage]:
+        """What the owners with a limit hold, as their ledgers record it (one round trip); {} without limits or
+        when the server failed. The over-limit counts are this daemon's."""
+        limited = [o for o in owners if self._cap is not None and self._cap(o) is not None]
+        if not limited:
+            return {}
+        usage = self._call(lambda client: self._ledger.usage(client, limited))
+        if usage is None:
+            return {}
+        with self._lock:
+            return {o: OwnerUsage(u.entries, u.nbytes, self._over_limit[o])
+                    for o, u in zip(limited, usage, strict=True)}
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
         return self._unlink(self._names(keys))
@@ -277,6 +319,18 @@ class RedisStore:
         if self._breaker.record_success():
             log.info("remote KV tier %s answers again", self.target.where)
         return result
+
+    def _put_limited(self, owner: bytes, limit: int, names: list[bytes], sealed: list[bytes]) -> bool:
+        put = self._call(lambda client: self._ledger.put(client, owner, limit, names, sealed))
+        with self._lock:
+            if put is not None and put.stored:
+                self._num_puts += len(names)
+            elif put is not None:
+                self._num_rejected += 1  # over the limit, or refused for memory
+                self._over_limit[owner] += put.over_limit
+        if put is not None and put.stored:
+            self._refresh_usage_if_stale()
+        return bool(put and put.stored)
 
     def _connected(self) -> RedisClient:
         with self._client_lock:

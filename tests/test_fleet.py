@@ -27,7 +27,9 @@ def fleet(redis_server, postgres_server) -> Iterator[tuple[Daemon, Daemon]]:
         secret.write_text("a fleet secret of at least sixteen bytes\n")
         env = {"KVTIERD_REMOTE_URL": redis_server.url, "KVTIERD_REMOTE_SECRET_FILE": str(secret),
                "KVTIERD_STORE_URL": postgres_server.create_database("kvtierd_fleet"),
-               "KVTIERD_REMOTE_OP_TIMEOUT_MS": "300"}
+               "KVTIERD_REMOTE_OP_TIMEOUT_MS": "300",
+               # Only these two tenants have remote limits: every other test's tenant writes as without them.
+               "KVTIERD_TENANT_LIMITS": "fl-capped=remote:1, fl-ledger=remote:1GiB"}
         a = start_daemon(Path(root) / "a", env=env)
         b = start_daemon(Path(root) / "b", env=env)
         yield a, b
@@ -115,6 +117,28 @@ def test_a_value_tampered_with_in_redis_is_never_served(fleet, redis_server):
     warm = chat(b, "fl-tamper", ask("Tampered?"))
     assert by_tier(warm)["remote"] == 0 and same_reply(warm, cold)
     assert remote_tier(b)["corrupt"] > corrupt_before
+
+
+def test_a_tenants_remote_limit_is_one_ledger_for_the_fleet(fleet):
+    a, b = fleet
+
+    def row(daemon: Daemon, tenant: str) -> dict:
+        with daemon.client() as c:
+            return next(t for t in c.get("/admin/tiers").json()["tenants"] if t["tenant"] == tenant)
+
+    # One byte: every chunk of the tenant's is over its limit, so none is stored, and each is counted.
+    chat(a, "fl-capped", ask("Capped?"))
+    settled(a)
+    assert row(a, "fl-capped")["remote_over_limit"] >= 1 and row(a, "fl-capped")["remote_chunks"] == 0
+    assert by_tier(chat(b, "fl-capped", ask("Capped?")))["remote"] == 0
+    # Within its limit: what either host writes is in the one ledger both read.
+    chat(a, "fl-ledger", ask("Ledger?"))
+    settled(a)
+    chat(b, "fl-ledger", [{"role": "user", "content": "Another document. " * 80}])
+    settled(b)
+    on_a, on_b = row(a, "fl-ledger"), row(b, "fl-ledger")
+    assert on_a["remote_chunks"] == on_b["remote_chunks"] >= 2 and on_a["remote_bytes"] == on_b["remote_bytes"] > 0
+    assert on_a["remote_over_limit"] == on_b["remote_over_limit"] == 0
 
 
 def test_redis_going_away_loses_no_request_and_its_return_brings_the_tier_back(fleet, redis_server):

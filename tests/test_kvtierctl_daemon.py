@@ -92,7 +92,7 @@ def test_tiers_by_tenant_and_the_under_share_counter(daemon):
     assert quiet["disk_bytes"] > 0 and quiet["disk_over_limit"] == 0
     table = ctl(daemon, "tiers", "--tenant")
     assert table.returncode == 0 and "shares-quiet" in table.stdout and "Under share" in table.stdout
-    assert "Disk chunks" in table.stdout
+    assert "Disk chunks" in table.stdout and "Remote chunks" in table.stdout
     with daemon.client() as c:
         metrics = c.get("/metrics").text
     assert "kvtierd_cache_evictions_under_share_total " in metrics

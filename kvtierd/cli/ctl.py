@@ -317,12 +317,12 @@ def render_tenants(data: dict[str, Any]) -> Table:
     shares = "on" if data.get("cache_shares") else "off"
     table = Table(title=f"KV cache by tenant (shares {shares})", caption=None if tenants else "no tenant has cached pages")
     for label in ("Tenant", "Weight", "Device pages", "Share", "Hits", "Evictions", "Under share", "Host chunks",
-                  "Disk chunks", "Disk"):
+                  "Disk chunks", "Disk", "Remote chunks", "Remote"):
         table.add_column(label, justify="left" if label == "Tenant" else "right", no_wrap=True)
     for t in tenants:
         _row(table, t["tenant"], f"{t['weight']:g}", _count(t["device_pages"]), f"{t['share_pages']:g}",
              _count(t["hits"]), _count(t["evictions"]), _count(t["evictions_under_share"]), _count(t["host_chunks"]),
-             _count(t["disk_chunks"]), _bytes(t["disk_bytes"]))
+             _count(t["disk_chunks"]), _bytes(t["disk_bytes"]), _count(t["remote_chunks"]), _bytes(t["remote_bytes"]))
     return table
 
 

@@ -38,6 +38,8 @@ class QosConfig:
     tenant_host_bytes: dict[str, int] = field(default_factory=dict)
     # Bytes of disk-tier values a tenant may hold; past it, its own oldest values go (never another tenant's).
     tenant_disk_bytes: dict[str, int] = field(default_factory=dict)
+    # Bytes of remote-tier values a tenant may hold, counted in Redis for the whole fleet; past it, its own oldest.
+    tenant_remote_bytes: dict[str, int] = field(default_factory=dict)
     # Time-bounded steps (engine/scheduler.py): while a request of a class is present, lower classes' work in a
     # step is cut so the step's planned cost stays within this many ms (None: auto, the class's own work plus
     # what a step of one decode costs; 0: off). Low's has no effect: no class is below it. Off for an engine built directly; the

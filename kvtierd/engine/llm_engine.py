@@ -119,12 +119,14 @@ class LLMEngine:
         self._idle_saved: int | None = None  # pages the watermark covered in this idle spell; None: none yet
 
     def _share_tiers(self, qos: QosConfig) -> None:
-        """The host slots and disk bytes are shared by the device's weights, and capped per tenant."""
+        """The host slots and disk bytes are shared by the device's weights, and capped per tenant; so are the
+        remote tier's bytes, fleet-wide (its sharing is its TTL and the server's maxmemory policy)."""
         names = self.cache_shares.names
-        for store, caps in ((self.tiers.host, qos.tenant_host_bytes), (self.tiers.disk, qos.tenant_disk_bytes)):
+        for store, caps in ((self.tiers.host, qos.tenant_host_bytes), (self.tiers.disk, qos.tenant_disk_bytes),
+                            (self.tiers.remote, qos.tenant_remote_bytes)):
             if store is None:
                 continue
-            if self.cache_shares.enabled:
+            if self.cache_shares.enabled and store is not self.tiers.remote:
                 store.share_by(self.cache_shares.weight)
             if caps:
                 store.limit_by(lambda root, caps=caps: caps.get(names.get(root, ""), caps.get("*")))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from dataclasses import asdict
 
@@ -14,7 +15,7 @@ from kvtierd.server.errors import ApiError
 from kvtierd.server.placement import placed_here
 from kvtierd.server.session_routes import drop_session_kv, message_json, query_limit, session_json, session_tenant
 from kvtierd.server.state import STATE, DaemonState
-from kvtierd.storage.disk_store import OwnerUsage
+from kvtierd.storage.owner_shares import OwnerUsage
 from kvtierd.tiers.tier_stats import TierStats
 
 routes = web.RouteTableDef()
@@ -92,11 +93,18 @@ async def status(request: web.Request) -> web.Response:
 @routes.get("/admin/tiers")
 async def tiers(request: web.Request) -> web.Response:
     state = request.app[STATE]
+    eng = state.engine.engine
+    remote = eng.tiers.remote if eng.tiers is not None else None
+    remote_usage: dict[bytes, OwnerUsage] = {}
+    if remote is not None and remote.has_limits:
+        # The tenants' remote ledgers: one Redis round trip, on a worker thread (never in the engine's step).
+        roots = await state.engine.call(lambda: list(eng.cache_shares.names))
+        remote_usage = await asyncio.to_thread(remote.usage_by_owner, roots)
     # On the engine thread between two steps: the pool's structures are the step's to edit.
-    return web.json_response(await state.engine.call(lambda: tiers_json(state)))
+    return web.json_response(await state.engine.call(lambda: tiers_json(state, remote_usage)))
 
 
-def tiers_json(state: DaemonState) -> dict:
+def tiers_json(state: DaemonState, remote_usage: dict[bytes, OwnerUsage] | None = None) -> dict:
     eng = state.engine.engine
     pool = eng.kv.pool
     c = eng.counters
@@ -120,21 +128,24 @@ def tiers_json(state: DaemonState) -> dict:
         "enabled": True,
         "healthy": True,
     }] + [lower_tier_json(t, c.prompt_tokens, eng.tiers.chunk_pages, state.reconciliation)
-          for t in eng.tier_stats()], "cache_shares": eng.cache_shares.enabled, "tenants": tenants_json(eng)}
+          for t in eng.tier_stats()], "cache_shares": eng.cache_shares.enabled,
+        "tenants": tenants_json(eng, remote_usage)}
 
 
-def tenants_json(eng) -> list[dict]:
+def tenants_json(eng, remote: dict[bytes, OwnerUsage] | None = None) -> list[dict]:
     """Each tenant's cached device pages against its share, its page hits and evictions, its host chunks, and
     its disk chunks and bytes (with its chunks not written at its disk limit; disk values stored before owners
-    were recorded are the tenant "(unowned)")."""
+    were recorded are the tenant "(unowned)"), and for a tenant with a remote limit its remote chunks and bytes
+    as the fleet's ledger in Redis records them (`remote`; 0 for the others: without a limit none is kept)."""
+    remote = remote or {}
     shares = eng.cache_shares
     host = eng.tiers.host.slots_by_owner() if eng.tiers is not None and eng.tiers.host is not None else {}
     disk = eng.tiers.disk.usage_by_owner() if eng.tiers is not None and eng.tiers.disk is not None else {}
     no_disk = OwnerUsage(0, 0, 0)
     rows = []
-    for root in {*shares.cached, *shares.counts, *host, *disk}:
+    for root in {*shares.cached, *shares.counts, *host, *disk, *remote}:
         counts = shares.counts_of(root) if root in shares.counts else None
-        on_disk = disk.get(root, no_disk)
+        on_disk, on_remote = disk.get(root, no_disk), remote.get(root, no_disk)
         rows.append({
             "tenant": shares.names.get(root, root.hex()[:16] or "(unowned)"), "weight": shares.weight(root),
             "device_pages": shares.cached[root], "share_pages": round(shares.share_pages(root), 1),
@@ -142,6 +153,8 @@ def tenants_json(eng) -> list[dict]:
             "evictions_under_share": counts.evictions_under_share if counts else 0,
             "host_chunks": host.get(root, 0),
             "disk_chunks": on_disk.entries, "disk_bytes": on_disk.nbytes, "disk_over_limit": on_disk.over_limit,
+            "remote_chunks": on_remote.entries, "remote_bytes": on_remote.nbytes,
+            "remote_over_limit": on_remote.over_limit,
         })
     return sorted(rows, key=lambda r: (-r["device_pages"], r["tenant"]))
 

@@ -30,7 +30,9 @@ from kvtierd.server.settings import Settings, SettingsError
 from kvtierd.server.socket_activation import take_listen_socket
 from kvtierd.server.state import DaemonState
 from kvtierd.server.unix_socket import bind_unix_socket, check_socket_path
+from kvtierd.storage.redis_client import parse_redis_url
 from kvtierd.storage.session_store import SessionStore
+from kvtierd.storage.store_errors import StoreArgumentError
 from kvtierd.tiers.config import RemoteConfig, TierConfig
 
 log = logging.getLogger("kvtierd")
@@ -77,7 +79,8 @@ def qos_config(settings: Settings) -> QosConfig:
                      pin_share=settings.pin_share, cache_shares=settings.cache_shares,
                      tenant_cache_weights=settings.tenant_cache_weights,
                      tenant_host_bytes={t: lim.host for t, lim in settings.tenant_limits.items() if lim.host},
-                     tenant_disk_bytes={t: lim.disk for t, lim in settings.tenant_limits.items() if lim.disk})
+                     tenant_disk_bytes={t: lim.disk for t, lim in settings.tenant_limits.items() if lim.disk},
+                     tenant_remote_bytes={t: lim.remote for t, lim in settings.tenant_limits.items() if lim.remote})
 
 
 def tier_config(settings: Settings) -> TierConfig | None:
@@ -109,6 +112,14 @@ def remote_config(settings: Settings) -> RemoteConfig | None:
         secret = Path(settings.remote_secret_file).read_bytes().strip()
     except OSError as e:
         raise SettingsError(f"cannot read remote_secret_file {settings.remote_secret_file}: {e.strerror}") from e
+    if any(limits.remote for limits in settings.tenant_limits.values()):
+        try:
+            cluster = parse_redis_url(settings.remote_url).topology == "cluster"
+        except StoreArgumentError as e:
+            raise SettingsError(f"remote_url: {e}") from e
+        if cluster:  # RedisStore.limit_by would refuse it later, with a traceback
+            raise SettingsError("tenant_limits remote needs one Redis master (a single server or Sentinel): "
+                                "a Cluster spreads a tenant's values over slots that one script cannot reach")
     return RemoteConfig(url=settings.remote_url, secret=secret, fleet=settings.remote_fleet,
                         ttl_s=settings.remote_ttl_s, op_timeout_ms=settings.remote_op_timeout_ms,
                         codec=settings.disk_codec, admission=settings.remote_admission)

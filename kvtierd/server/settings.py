@@ -321,8 +321,9 @@ SETTINGS: tuple[Setting, ...] = (
             "a tenant's weight for its share of the cached pages (not named: 1), e.g. alice=2,batch=0.5"),
     Setting("tenant_limits", "qos", "tenant_limits", "", lambda v: parse_tenant_limits(v, parse_bytes),
             "per-tenant limits (* for tenants not named): sessions (stored) and inflight (requests) answer 429 "
-            "past them; host and disk (bytes of host- and disk-tier KV) evict the tenant's own chunks first, e.g. "
-            "alice=sessions:100 inflight:4 host:256MiB disk:4GiB, *=inflight:16"),
+            "past them; host, disk and remote (bytes of KV in that tier; remote: fleet-wide, one Redis master) "
+            "evict the tenant's own chunks first, e.g. alice=sessions:100 inflight:4 host:256MiB disk:4GiB "
+            "remote:1GiB, *=inflight:16"),
     Setting("store_url", "store", "url", None, parse_optional_str,
             "SQLAlchemy URL of the session store (default: sqlite under the state dir; postgresql+psycopg://... for fleets)"),
 )

@@ -1,7 +1,7 @@
-"""Per-tenant limits (`[qos] tenant_limits`): stored sessions, requests in flight, KV bytes in the host and
-disk tiers.
+"""Per-tenant limits (`[qos] tenant_limits`): stored sessions, requests in flight, KV bytes in the host, disk
+and remote tiers.
 
-    tenant_limits = "alice=sessions:100 inflight:4 host:256MiB disk:4GiB, *=inflight:16"
+    tenant_limits = "alice=sessions:100 inflight:4 host:256MiB disk:4GiB remote:1GiB, *=inflight:16"
 
 `*` applies to every tenant not named. Past `sessions` or `inflight`, a request gets 429 naming the limit
 and its value; nothing stored is touched (the session is not created, the request is not queued). `host`
@@ -9,6 +9,8 @@ is not refused but kept: a tenant holding its limit in host slots evicts its own
 for its next one (storage/host_store.py), so its host share goes before anyone else's. So is `disk`: past
 it, the tenant's own least recently used values go to make room for its next (storage/disk_store.py); a
 chunk that its pinned values leave no room for is not written (counted), and the request is served anyway.
+`remote` is the same in the fleet's Redis, counted there across every daemon that writes the tenant's values
+(storage/redis_ledger.py); its oldest written values go first.
 """
 
 from __future__ import annotations
@@ -31,13 +33,15 @@ class TenantLimits:
     inflight: int | None = None  # requests being served at once
     host: int | None = None  # bytes of KV chunks in the host tier
     disk: int | None = None  # bytes of KV values in the disk tier (as stored: encoded, rounded to pages)
+    remote: int | None = None  # bytes of KV values in the remote tier, fleet-wide (as sent: encoded and sealed)
 
 
 NO_LIMITS = TenantLimits()
 
 
 def parse_tenant_limits(value: Any, parse_bytes=int) -> dict[str, TenantLimits]:
-    """`"alice=sessions:100 inflight:4 host:256MiB disk:4GiB, *=inflight:16"` -> tenant -> its limits."""
+    """`"alice=sessions:100 inflight:4 host:256MiB disk:4GiB remote:1GiB, *=inflight:16"` -> tenant -> its
+    limits."""
     out: dict[str, TenantLimits] = {}
     names = {f.name for f in fields(TenantLimits)}
     for item in filter(None, (i.strip() for i in str(value).split(","))):
@@ -47,7 +51,7 @@ def parse_tenant_limits(value: Any, parse_bytes=int) -> dict[str, TenantLimits]:
             name, _, number = part.partition(":")
             if name not in names or name in limits:
                 raise ValueError(f"{item!r}: name each of {', '.join(sorted(names))} at most once, as name:number")
-            n = parse_bytes(number) if name in ("host", "disk") else int(number) if number.isdigit() else -1
+            n = parse_bytes(number) if name in ("host", "disk", "remote") else int(number) if number.isdigit() else -1
             if not n > 0:
                 raise ValueError(f"{item!r}: {name} must be a positive number")
             limits[name] = n
