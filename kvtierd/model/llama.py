@@ -19,7 +19,8 @@ from kvtierd.model.weight_modes import WeightMode
 from kvtierd.model.weights import Matrix, ModelWeights, packed_for_cpu
 
 # Steps of at most this many tokens run the quantized kernels; larger ones the dense copies
-# (quantized.py). Measured with `kvtierd bench engine`: past a few rows torch's bf16 GEMM wins.
+# (quantized.py). Measured over the bundled model's matrices: torch's int4 kernel adds ~2 ms a row, and
+# from about 6 rows the packed bf16 GEMM (packed_matrix.py), flat to a few dozen rows, is faster.
 QUANTIZED_MAX_TOKENS = 4
 # A quantized LM head's logits are approximate; this many of each row's largest are recomputed from its
 # float32 rows, so the tokens sampling can pick (greedy, top-k/top-p) are ranked exactly: an 8-bit head's
