@@ -189,6 +189,14 @@ def redis_server(redis_factory: RedisFactory) -> RedisServer:
     return redis_factory.server()
 
 
+@pytest.fixture
+def empty_redis(redis_server: RedisServer) -> RedisServer:
+    """The module's redis-server, emptied for this test."""
+    with redis_server.client() as raw:
+        raw.flushall()
+    return redis_server
+
+
 class GatedProxy:
     """A TCP proxy to a redis-server that, while held, keeps each new call (the first bytes a client sends
     after the server last answered it) until released: a Redis that stops answering, on the test's cue."""

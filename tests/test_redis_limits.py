@@ -50,23 +50,16 @@ def stored(store: RedisStore, owner: bytes, ids: range) -> list[int]:
 
 
 @pytest.fixture
-def server(redis_server: RedisServer) -> RedisServer:
-    with redis_server.client() as raw:
-        raw.flushall()
-    return redis_server
-
-
-@pytest.fixture
-def daemons(server: RedisServer) -> Iterator[tuple[RedisStore, RedisStore]]:
+def daemons(empty_redis: RedisServer) -> Iterator[tuple[RedisStore, RedisStore]]:
     """Two daemons' stores on one server, both limiting alice to 3 values."""
     limits = {ALICE: 3 * SEALED}
-    a, b = make_store(server, limits), make_store(server, limits)
+    a, b = make_store(empty_redis, limits), make_store(empty_redis, limits)
     yield a, b
     a.close()
     b.close()
 
 
-def test_two_daemons_share_one_limit_and_evict_only_the_tenants_oldest(daemons, server: RedisServer) -> None:
+def test_two_daemons_share_one_limit_and_evict_only_the_tenants_oldest(daemons, empty_redis: RedisServer) -> None:
     a, b = daemons
     assert write(b, BOB, 0, 1)  # bob has no limit: a plain write
     for i in range(8):  # alice's values from both daemons, in turn
@@ -96,10 +89,10 @@ def test_a_batch_over_the_whole_limit_is_refused_and_counted(daemons) -> None:
     assert b.stats().num_rejected == 1
 
 
-def test_expired_values_leave_entries_that_free_room_without_evicting(daemons, server: RedisServer) -> None:
+def test_expired_values_leave_entries_that_free_room_without_evicting(daemons, empty_redis: RedisServer) -> None:
     a, _ = daemons
     assert write(a, ALICE, 0, 1, 2)
-    with server.client() as raw:  # the two oldest expire, as by their TTL
+    with empty_redis.client() as raw:  # the two oldest expire, as by their TTL
         for i in (0, 1):
             raw.pexpire(a.key_prefix.encode() + key(ALICE, i).hex().encode(), 1)
         deadline = time.monotonic() + EXPIRY_WAIT_S
@@ -112,16 +105,16 @@ def test_expired_values_leave_entries_that_free_room_without_evicting(daemons, s
     assert a.usage_by_owner([ALICE])[ALICE].entries == 3  # the stale entries were dropped
 
 
-def test_no_limit_writes_no_ledger(server: RedisServer) -> None:
-    plain, limited = make_store(server), make_store(server, {ALICE: 3 * SEALED})
+def test_no_limit_writes_no_ledger(empty_redis: RedisServer) -> None:
+    plain, limited = make_store(empty_redis), make_store(empty_redis, {ALICE: 3 * SEALED})
     try:
         assert write(plain, ALICE, 0) and write(limited, BOB, 0)
-        with server.client() as raw:
+        with empty_redis.client() as raw:
             assert sorted(raw.keys("*")) == sorted(plain.key_prefix.encode() + key(o, 0).hex().encode()
                                                    for o in (ALICE, BOB))
         assert plain.usage_by_owner([ALICE, BOB]) == {} and limited.usage_by_owner([BOB]) == {}
         assert write(limited, ALICE, 1)
-        with server.client() as raw:
+        with empty_redis.client() as raw:
             assert len(raw.keys(f"{limited.key_prefix}o*")) == 3  # alice's ledger: order, sizes, held
     finally:
         plain.close()

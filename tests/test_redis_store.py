@@ -44,15 +44,8 @@ def make_store(url: str, keyspace: RedisKeyspace = KEYSPACE, secret: bytes = SEC
 
 
 @pytest.fixture
-def server(redis_server: RedisServer) -> RedisServer:
-    with redis_server.client() as raw:
-        raw.flushall()
-    return redis_server
-
-
-@pytest.fixture
-def store(server: RedisServer) -> Iterator[RedisStore]:
-    s = make_store(server.url)
+def store(empty_redis: RedisServer) -> Iterator[RedisStore]:
+    s = make_store(empty_redis.url)
     yield s
     s.close()
 
@@ -119,11 +112,11 @@ def test_threads_share_one_store(store: RedisStore) -> None:
 
 
 def test_the_key_prefix_names_fleet_model_geometry_chunk_size_frame_version_and_secret(
-        server: RedisServer, store: RedisStore) -> None:
+        empty_redis: RedisServer, store: RedisStore) -> None:
     assert store.key_prefix.startswith("kvtierd:v1:test:f00d:2x1x4x4-float16:n2:f1:s")
     assert len(store.key_prefix.rpartition(":s")[2]) == len("01234567:")
     store.put_many([(key(7), value(7))])
-    with server.client() as raw:
+    with empty_redis.client() as raw:
         assert raw.keys("*") == [name_of(store, key(7))]
 
 
@@ -137,8 +130,8 @@ def test_the_key_prefix_names_fleet_model_geometry_chunk_size_frame_version_and_
     ],
     ids=["fingerprint", "dtype", "chunk_pages", "fleet"],
 )
-def test_other_keyspaces_never_see_each_others_values(server: RedisServer, other: RedisKeyspace) -> None:
-    ours, theirs = make_store(server.url), make_store(server.url, other)
+def test_other_keyspaces_never_see_each_others_values(empty_redis: RedisServer, other: RedisKeyspace) -> None:
+    ours, theirs = make_store(empty_redis.url), make_store(empty_redis.url, other)
     assert ours.key_prefix != theirs.key_prefix
     assert ours.put_many([(key(1), b"ours")])
     assert theirs.get_many([key(1)]) == [None] and theirs.contains_prefix([key(1)]) == 0
@@ -147,9 +140,9 @@ def test_other_keyspaces_never_see_each_others_values(server: RedisServer, other
     assert ours.stats().num_corrupt == theirs.stats().num_corrupt == 0
 
 
-def test_every_key_gets_the_ttl_and_a_hit_renews_it(server: RedisServer, store: RedisStore) -> None:
+def test_every_key_gets_the_ttl_and_a_hit_renews_it(empty_redis: RedisServer, store: RedisStore) -> None:
     assert store.put_many([(key(i), value(i)) for i in range(5)])
-    with server.client() as raw:
+    with empty_redis.client() as raw:
         ttls = [raw.ttl(name_of(store, key(i))) for i in range(5)]
         assert all(TTL_S - 5 <= t <= TTL_S for t in ttls), ttls
         raw.expire(name_of(store, key(0)), 10)
@@ -160,37 +153,37 @@ def test_every_key_gets_the_ttl_and_a_hit_renews_it(server: RedisServer, store: 
 # -- forged values ----------------------------------------------------------------------------
 
 
-def test_a_value_tampered_in_redis_is_refused_removed_and_counted(server: RedisServer, store: RedisStore) -> None:
+def test_a_value_tampered_in_redis_is_refused_removed_and_counted(empty_redis: RedisServer, store: RedisStore) -> None:
     identity = make_identity(pages=2)
     chunk_key = identity.block_hashes[-1]
     store.put_many([(chunk_key, encode_frame(identity, make_payload(identity))), (key(2), value(2))])
-    with server.client() as raw:
+    with empty_redis.client() as raw:
         sealed = bytearray(raw.get(name_of(store, chunk_key)))
         sealed[-1] ^= 0x01  # one payload bit
         raw.set(name_of(store, chunk_key), bytes(sealed))
 
     assert store.get_many([chunk_key, key(2)]) == [None, value(2)]
-    with server.client() as raw:
+    with empty_redis.client() as raw:
         assert not raw.exists(name_of(store, chunk_key))
     stats = store.stats()
     assert (stats.num_corrupt, stats.num_hits, stats.num_quarantined, stats.healthy) == (1, 1, 0, True)
 
 
-def test_a_value_sealed_under_another_secret_is_refused(server: RedisServer) -> None:
-    ours, theirs = make_store(server.url), make_store(server.url, secret=OTHER_SECRET)
+def test_a_value_sealed_under_another_secret_is_refused(empty_redis: RedisServer) -> None:
+    ours, theirs = make_store(empty_redis.url), make_store(empty_redis.url, secret=OTHER_SECRET)
     assert ours.key_prefix != theirs.key_prefix  # a rotation under way: disjoint keys, no fight
     assert theirs.put_many([(key(1), value(1))])
     assert ours.get_many([key(1)]) == [None] and ours.stats().num_corrupt == 0
-    with server.client() as raw:  # planted under our key
+    with empty_redis.client() as raw:  # planted under our key
         raw.set(name_of(ours, key(1)), raw.get(name_of(theirs, key(1))))
     assert ours.get_many([key(1)]) == [None]
     assert ours.stats().num_corrupt == 1
     assert theirs.get_many([key(1)]) == [value(1)]
 
 
-def test_a_value_moved_to_another_key_is_refused(server: RedisServer, store: RedisStore) -> None:
+def test_a_value_moved_to_another_key_is_refused(empty_redis: RedisServer, store: RedisStore) -> None:
     store.put_many([(key(1), value(1))])
-    with server.client() as raw:
+    with empty_redis.client() as raw:
         raw.set(name_of(store, key(2)), raw.get(name_of(store, key(1))))
         raw.set(name_of(store, key(3)), b"short")  # shorter than a tag
     assert store.get_many([key(2), key(3), key(1)]) == [None, None, value(1)]
@@ -287,8 +280,8 @@ def test_a_full_server_under_allkeys_lru_evicts_instead(redis_factory: RedisFact
     server.stop()
 
 
-def test_a_closed_store_answers_misses(server: RedisServer) -> None:
-    store = make_store(server.url)
+def test_a_closed_store_answers_misses(empty_redis: RedisServer) -> None:
+    store = make_store(empty_redis.url)
     store.put_many([(key(1), value(1))])
     store.close()
     assert store.get_many([key(1)]) == [None] and not store.put_many([(key(2), value(2))])
@@ -343,13 +336,13 @@ def test_a_sentinel_url_reaches_the_master(redis_factory: RedisFactory) -> None:
     store.close()
 
 
-def test_the_fleet_epoch_starts_at_zero_and_moves_for_every_store_of_the_keyspace(server: RedisServer) -> None:
-    a, b = make_store(server.url), make_store(server.url)
+def test_the_fleet_epoch_starts_at_zero_and_moves_for_every_store_of_the_keyspace(empty_redis: RedisServer) -> None:
+    a, b = make_store(empty_redis.url), make_store(empty_redis.url)
     try:
         assert a.read_epoch() == b.read_epoch() == 0
         assert a.bump_epoch() == 1
         assert b.read_epoch() == 1  # another host sees it
-        other = make_store(server.url, RedisKeyspace("other-fleet", "model-a", KEYSPACE.geometry, 16))
+        other = make_store(empty_redis.url, RedisKeyspace("other-fleet", "model-a", KEYSPACE.geometry, 16))
         assert other.read_epoch() == 0
         other.close()
     finally:
