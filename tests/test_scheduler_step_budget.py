@@ -241,21 +241,55 @@ def test_the_cost_model_keeps_its_coefficients_non_negative():
     assert min(fit.overhead_s, fit.prefill_token_s, fit.decode_token_s, fit.context_token_s) >= 0
 
 
-def test_the_cost_model_learns_the_jump_of_a_quantized_mode_s_large_steps():
-    """Past 4 tokens a quantized mode's step runs the dense matrices: a jump the fit learns, and a chunk that
-    would cross it is charged for it (or kept small enough to stay below)."""
-    truth = StepCost(overhead_s=0.030, prefill_token_s=0.0008, decode_token_s=0.005, large_step_s=0.035,
-                     small_step_max_tokens=4)
+def test_the_cost_model_fits_a_quantized_mode_s_two_regimes_apart():
+    """Past 4 tokens a quantized mode's step runs the dense matrices: a regime with its own overhead and
+    per-token costs, fitted from its own steps; a chunk that would cross into it is charged for it (or kept
+    small enough to stay below)."""
+    large = StepCost(overhead_s=0.060, prefill_token_s=0.0003, decode_token_s=0.0006, context_token_s=0.00001)
+    truth = StepCost(overhead_s=0.025, prefill_token_s=0.002, decode_token_s=0.002, context_token_s=0.00001,
+                     large=large, small_step_max_tokens=4)
     model = StepCostModel(small_step_max_tokens=4)
-    shapes = [StepShape(p, d, p + d * 100) for p in (0, 1, 2, 3, 8, 16, 64, 512) for d in (0, 1, 2, 8) if p or d]
+    shapes = [StepShape(p, d, p + d * ctx) for p in (0, 1, 2, 3, 8, 16, 64, 512) for d in (0, 1, 2, 8)
+              for ctx in (100, 1000) if p or d]
     for _ in range(5):
         for s in shapes:
             model.observe(s, truth.seconds(s))
     fit = model.current
-    assert fit.large_step_s == pytest.approx(0.035, rel=0.02) and fit.overhead_s == pytest.approx(0.030, rel=0.02)
+    for s in (StepShape(0, 1, 100), StepShape(3, 1, 1100), StepShape(16, 1, 1100), StepShape(512, 8, 9000)):
+        assert fit.seconds(s) == pytest.approx(truth.seconds(s), rel=0.02)
     decode = StepShape(0, 1, 100)
-    # 60 ms: one decode (35 ms) leaves no room for the jump, so the chunk stays within the small step's 3 tokens.
+    # 60 ms: one decode (28 ms) leaves no room for a large step (70 ms with one decode), so the chunk stays
+    # within the small step's 3 tokens.
     assert fit.prefill_tokens_within(decode, 0.060) == 3
-    # 100 ms: the jump (35 ms) and then (100 - 35 - 35) / 0.8 ms = 37 tokens.
-    assert abs(fit.prefill_tokens_within(decode, 0.100) - 37) <= 1
-    assert StepCostModel().current.large_step_s == 0  # a dense mode: no such jump
+    # 100 ms: a large step, 60.6 + 1 ms of the decode's context, then (100 - 61.6) / 0.31 ms = 123 tokens.
+    assert abs(fit.prefill_tokens_within(decode, 0.100) - 123) <= 1
+    assert StepCostModel().current.large is None  # a dense mode: one regime
+
+
+def test_a_flood_of_large_steps_leaves_what_a_lone_decode_costs_as_measured():
+    """Under a flood nearly every step is large; what a small step costs (the unit of the step budget) stays
+    what small steps measured, however many large steps follow."""
+    large = StepCost(overhead_s=0.080, prefill_token_s=0.0003, decode_token_s=0.004, context_token_s=0.00001)
+    truth = StepCost(overhead_s=0.025, prefill_token_s=0.002, decode_token_s=0.002, large=large,
+                     small_step_max_tokens=4)
+    model = StepCostModel(small_step_max_tokens=4, half_life_steps=16)
+    for i in range(50):
+        s = StepShape(0, 1, 40 + i)
+        model.observe(s, truth.seconds(s))
+    for i in range(2000):
+        s = StepShape(16 * (i % 8), 8 + i % 5, 8000 + 10 * i)
+        model.observe(s, truth.seconds(s))
+    assert model.current.seconds(StepShape(0, 1, 60)) == pytest.approx(truth.seconds(StepShape(0, 1, 60)), rel=0.03)
+
+
+def test_the_budget_s_unit_is_a_lone_decode_as_measured_not_as_extrapolated():
+    """Before any lone decode ran, its cost is the fit's prediction; then it is the median of the last ones
+    measured, whatever the flood's steps make the fit say about a step that small."""
+    model = StepCostModel(prior=COST)
+    assert model.one_decode_s == pytest.approx(COST.seconds(StepShape(0, 1)))
+    for seconds in (0.021, 0.019, 0.020, 0.090):  # one of them slowed by the machine
+        model.observe(StepShape(0, 1, 50), seconds)
+    for i in range(500):  # long-context steps, all alike: overhead and context cost cannot be told apart
+        model.observe(StepShape(0, 4, 4000 + i % 3), 0.070)
+    assert model.one_decode_s == pytest.approx(0.0205)
+    assert model.current.seconds(StepShape(0, 1, 50)) > 0.025  # what the fit alone would have planned with

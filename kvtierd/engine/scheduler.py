@@ -38,9 +38,9 @@ the step's top class; its work (running requests, then waiting ones while
 the queue's head is of it) is planned first, under the token budget only.
 Lower classes' work comes after, each request cut to what keeps the step's
 planned cost within the top class's `step_budget_ms` (auto: its own work
-plus one step of one decode; `engine/step_cost.py`
+plus one step of one decode, as last measured; `engine/step_cost.py`
 predicts a step's seconds from its prefill tokens, decodes and the context
-they attend over, as measured):
+they attend over, as measured, per regime in a quantized mode):
 their prefill is chunked finer, and their decodes skip a step when even one
 does not fit. When nothing of a lower class is present, nothing is cut: with
 one class only, steps are as large as the token budget makes them.
@@ -265,9 +265,9 @@ class Scheduler:
         budget_ms = self.step_budget_ms[top]
         if budget_ms is not None:
             return budget_ms / 1e3 or None
-        cost = self.step_cost.current
-        one_decode = cost.seconds(StepShape(num_decodes=1))
-        return max(cost.seconds(own), one_decode) + one_decode
+        one_decode = self.step_cost.one_decode_s
+        own_s = self.step_cost.current.seconds(own) if own.num_tokens > 1 else one_decode
+        return max(own_s, one_decode) + one_decode
 
     def _pop_victim(self, planned: set[str]) -> Request:
         """The last running request not in the plan yet."""

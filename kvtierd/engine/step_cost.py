@@ -1,7 +1,7 @@
 """What an engine step costs, learned from the steps the engine runs.
 
     seconds = overhead_s + prefill_token_s x prefill tokens + decode_token_s x decodes
-              + context_token_s x context tokens + large_step_s (steps past small_step_max_tokens)
+              + context_token_s x context tokens
 
 The overhead is what every step pays whatever its size (the weights read once,
 Python, sampling); the two per-token costs are fitted apart because a prefill
@@ -9,28 +9,54 @@ token shares its chunk's matrix products while a decode is a row of its own.
 The context tokens are each scheduled sequence's context length (its cached
 tokens and its new ones): attention reads all of their K/V, so a decode over
 1,000 cached tokens costs far more than one over 40, and a step planned as a
-count of decodes alone would run long when long contexts decode. In a
-quantized weight mode, a step of more than `small_step_max_tokens` tokens runs
-the dense bfloat16 matrices instead of the packed ones (model/llama.py): it
-reads several times the bytes, a jump no per-token cost can express, so it is
-a term of its own. The fit is least squares over the measured steps, each
-weighted by how recent it is (the weight halves every `half_life_steps`), so
-it follows the machine as its load changes. A prior holds the coefficients the
-steps cannot tell apart (only decodes seen: the prefill cost stays the prior's)
-and gives the scheduler a plan before the first step is measured. Coefficients
-are kept non-negative.
+count of decodes alone would run long when long contexts decode.
+
+A quantized weight mode has two regimes: a step of at most
+`small_step_max_tokens` tokens runs the packed quantized matrices (a high
+overhead per row, but few bytes), a larger one the dense bfloat16 copies
+(model/llama.py: several times the bytes, then little per row). Each regime
+has its own four coefficients (`large`), fitted from its own steps only: under
+a flood nearly every step is large, and one fit over both would let the
+large steps' cost leak into what a lone decode is believed to cost, the unit
+the step budget is built on (engine/scheduler.py).
+
+Each fit is least squares over its steps, each weighted by how recent it is
+(the weight halves every `half_life_steps` of that regime), so it follows the
+machine as its load changes. A prior holds the coefficients the steps cannot
+tell apart (only decodes seen: the prefill cost stays the prior's) and gives
+the scheduler a plan before the first step is measured. Coefficients are kept
+non-negative.
 """
 
 from __future__ import annotations
 
 import itertools
+import statistics
+from collections import deque
 from dataclasses import dataclass, replace
 
-NUM_TERMS = 5  # overhead, prefill tokens, decodes, context tokens, past the small-step size
-# Feature scales: the prior pulls on each coefficient as a tenth of a step of this shape would.
-PREFILL_SCALE = 256.0
-DECODE_SCALE = 16.0
-CONTEXT_SCALE = 4096.0
+NUM_TERMS = 4  # overhead, prefill tokens, decodes, context tokens
+LONE_DECODES_KEPT = 16  # the last steps of one decode alone whose median is `one_decode_s`
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureScales:
+    """The prior pulls on each coefficient as a tenth of a step of this shape would: a regime's typical step."""
+
+    prefill_tokens: float = 256.0
+    decodes: float = 16.0
+    context_tokens: float = 4096.0
+
+    def features(self, shape: StepShape) -> list[float]:
+        return [1.0, shape.num_prefill_tokens / self.prefill_tokens, shape.num_decodes / self.decodes,
+                shape.num_context_tokens / self.context_tokens]
+
+    def scaled(self, cost: StepCost) -> list[float]:
+        return [cost.overhead_s, cost.prefill_token_s * self.prefill_tokens, cost.decode_token_s * self.decodes,
+                cost.context_token_s * self.context_tokens]
+
+    def unscaled(self, t: list[float]) -> StepCost:
+        return StepCost(t[0], t[1] / self.prefill_tokens, t[2] / self.decodes, t[3] / self.context_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,16 +80,20 @@ class StepCost:
     prefill_token_s: float
     decode_token_s: float
     context_token_s: float = 0.0
-    large_step_s: float = 0.0  # what a step past small_step_max_tokens costs on top
+    large: StepCost | None = None  # the costs of a step past small_step_max_tokens (a regime of its own)
     small_step_max_tokens: int | None = None  # None: steps of every size run the same kernels
 
     def is_large(self, shape: StepShape) -> bool:
         return self.small_step_max_tokens is not None and shape.num_tokens > self.small_step_max_tokens
 
+    def regime(self, shape: StepShape) -> StepCost:
+        """The coefficients a step of this shape is charged with."""
+        return self.large if self.large is not None and self.is_large(shape) else self
+
     def seconds(self, shape: StepShape) -> float:
-        return self.overhead_s + self.prefill_token_s * shape.num_prefill_tokens + \
-            self.decode_token_s * shape.num_decodes + self.context_token_s * shape.num_context_tokens + \
-            (self.large_step_s if self.is_large(shape) else 0.0)
+        c = self.regime(shape)
+        return c.overhead_s + c.prefill_token_s * shape.num_prefill_tokens + c.decode_token_s * shape.num_decodes \
+            + c.context_token_s * shape.num_context_tokens
 
     def prefill_seconds(self, tokens: int, step_tokens: int) -> float:
         """A prompt of `tokens` computed alone in steps of at most `step_tokens`: what recomputing it costs,
@@ -77,67 +107,55 @@ class StepCost:
 
     def prefill_tokens_within(self, shape: StepShape, limit_s: float, num_cached: int = 0) -> int:
         """How many prefill tokens of a sequence with `num_cached` tokens before them a step of `shape` can
-        take and still cost at most `limit_s` (n of them add n prefill tokens and num_cached + n context;
-        past the small-step size, the large step's extra too)."""
-        per_token = self.prefill_token_s + self.context_token_s
+        take and still cost at most `limit_s` (n of them add n prefill tokens and num_cached + n context, in
+        the regime the step ends up in)."""
 
-        def within(extra_s: float) -> int:
-            spare = limit_s - self.seconds(shape) - extra_s - self.context_token_s * num_cached
+        def within(c: StepCost, base: StepShape) -> int:
+            spare = limit_s - c.seconds(base) - c.context_token_s * num_cached
+            per_token = c.prefill_token_s + c.context_token_s
             if spare < 0:
                 return -1
             return int(spare / per_token) if per_token > 0 else 1 << 30
 
-        if self.small_step_max_tokens is None or self.is_large(shape):
-            return max(within(0.0), 0)
+        if self.large is None or self.is_large(shape):
+            return max(within(self.regime(shape), shape), 0)
         room = self.small_step_max_tokens - shape.num_tokens  # tokens that keep the step small
-        large = within(self.large_step_s)
-        return large if large > room else max(min(within(0.0), room), 0)
+        # Crossing charges the whole step, its own tokens too, at the large regime's costs.
+        large = within(self.large, shape)
+        return large if large > room else max(min(within(self, shape), room), 0)
 
 
 # A small CPU's costs (SmolLM2-135M, float32): replaced within a few steps by what is measured.
-PRIOR = StepCost(overhead_s=0.03, prefill_token_s=0.001, decode_token_s=0.001, context_token_s=5e-6,
-                 large_step_s=0.02)
+PRIOR = StepCost(overhead_s=0.03, prefill_token_s=0.001, decode_token_s=0.001, context_token_s=5e-6)
+# A quantized mode's large steps before any is measured: the dense matrices' read on top, little per row.
+LARGE_PRIOR = StepCost(overhead_s=0.05, prefill_token_s=0.0005, decode_token_s=0.0005, context_token_s=5e-6)
 
 
-class StepCostModel:
-    def __init__(self, prior: StepCost = PRIOR, half_life_steps: float = 64.0, prior_weight: float = 0.1,
-                 small_step_max_tokens: int | None = None) -> None:
-        self.small_step_max_tokens = small_step_max_tokens
-        prior = replace(prior, small_step_max_tokens=small_step_max_tokens,
-                        large_step_s=prior.large_step_s if small_step_max_tokens is not None else 0.0)
-        self.prior = prior
-        self.decay = 0.5 ** (1.0 / half_life_steps)
-        self.prior_weight = prior_weight
-        self.num_observed = 0
+class _RegimeFit:
+    """Recency-weighted ridge least squares of one regime's four coefficients."""
+
+    def __init__(self, prior: StepCost, decay: float, prior_weight: float, scales: FeatureScales) -> None:
+        self.prior, self.decay, self.prior_weight, self.scales = prior, decay, prior_weight, scales
         self._xx = [[0.0] * NUM_TERMS for _ in range(NUM_TERMS)]  # weighted sums of x x^T, x y, y^2
         self._xy = [0.0] * NUM_TERMS
         self._yy = 0.0
-        self._current: StepCost | None = prior
-
-    @property
-    def current(self) -> StepCost:
-        if self._current is None:
-            self._current = self._fit()
-        return self._current
 
     def observe(self, shape: StepShape, seconds: float) -> None:
-        x = _features(shape, self.prior)
+        x = self.scales.features(shape)
         for i in range(NUM_TERMS):
             self._xy[i] = self.decay * self._xy[i] + x[i] * seconds
             for j in range(NUM_TERMS):
                 self._xx[i][j] = self.decay * self._xx[i][j] + x[i] * x[j]
         self._yy = self.decay * self._yy + seconds * seconds
-        self.num_observed += 1
-        self._current = None  # refitted when next asked
 
-    def _fit(self) -> StepCost:
+    def fit(self) -> StepCost:
         # Ridge towards the prior: minimise sum w (y - x.t)^2 + prior_weight |t - t_prior|^2, in scaled units.
-        t0 = _scaled(self.prior)
+        t0 = self.scales.scaled(self.prior)
         a = [[self._xx[i][j] + (self.prior_weight if i == j else 0.0) for j in range(NUM_TERMS)]
              for i in range(NUM_TERMS)]
         b = [self._xy[i] + self.prior_weight * t0[i] for i in range(NUM_TERMS)]
         c = self._yy + self.prior_weight * sum(t * t for t in t0)
-        # Non-negative: the best of the fits with some coefficients held at 0 (31 tiny solves).
+        # Non-negative: the best of the fits with some coefficients held at 0 (15 tiny solves).
         best, best_loss = [0.0] * NUM_TERMS, c
         for size in range(NUM_TERMS, 0, -1):
             for free in itertools.combinations(range(NUM_TERMS), size):
@@ -151,18 +169,51 @@ class StepCostModel:
                     sum(t[i] * a[i][j] * t[j] for i in range(NUM_TERMS) for j in range(NUM_TERMS))
                 if loss < best_loss:
                     best, best_loss = t, loss
-        return StepCost(best[0], best[1] / PREFILL_SCALE, best[2] / DECODE_SCALE, best[3] / CONTEXT_SCALE, best[4],
-                        self.small_step_max_tokens)
+        return self.scales.unscaled(best)
 
 
-def _features(shape: StepShape, cost: StepCost) -> list[float]:
-    return [1.0, shape.num_prefill_tokens / PREFILL_SCALE, shape.num_decodes / DECODE_SCALE,
-            shape.num_context_tokens / CONTEXT_SCALE, 1.0 if cost.is_large(shape) else 0.0]
+class StepCostModel:
+    def __init__(self, prior: StepCost = PRIOR, half_life_steps: float = 64.0, prior_weight: float = 0.1,
+                 small_step_max_tokens: int | None = None) -> None:
+        self.small_step_max_tokens = small_step_max_tokens
+        large_prior = (prior.large or LARGE_PRIOR) if small_step_max_tokens is not None else None
+        self.prior = replace(prior, large=large_prior, small_step_max_tokens=small_step_max_tokens)
+        decay = 0.5 ** (1.0 / half_life_steps)
+        # A small step has a few tokens: its per-token costs are pulled towards the prior as such a step would.
+        small_scales = FeatureScales() if small_step_max_tokens is None else \
+            FeatureScales(small_step_max_tokens, small_step_max_tokens)
+        self._small = _RegimeFit(replace(prior, large=None, small_step_max_tokens=None), decay, prior_weight,
+                                 small_scales)
+        self._large = _RegimeFit(large_prior, decay, prior_weight, FeatureScales()) \
+            if large_prior is not None else None
+        self.num_observed = 0
+        self._current: StepCost | None = self.prior
+        self._lone_decodes: deque[float] = deque(maxlen=LONE_DECODES_KEPT)
 
+    @property
+    def current(self) -> StepCost:
+        if self._current is None:
+            large = self._large.fit() if self._large is not None else None
+            self._current = replace(self._small.fit(), large=large, small_step_max_tokens=self.small_step_max_tokens)
+        return self._current
 
-def _scaled(cost: StepCost) -> list[float]:
-    return [cost.overhead_s, cost.prefill_token_s * PREFILL_SCALE, cost.decode_token_s * DECODE_SCALE,
-            cost.context_token_s * CONTEXT_SCALE, cost.large_step_s]
+    @property
+    def one_decode_s(self) -> float:
+        """What a step of one decode alone costs (a lone request's inter-token latency): the median of the
+        last such steps, as measured; predicted by the fit until one ran. Measured rather than predicted
+        because a flood's steps are all alike (every one has long contexts, few are small): a fit over them
+        extrapolates poorly to one short decode, and this is the unit the step budget is built on."""
+        if self._lone_decodes:
+            return statistics.median(self._lone_decodes)
+        return self.current.seconds(StepShape(num_decodes=1))
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        if shape.num_decodes == 1 and shape.num_prefill_tokens == 0:
+            self._lone_decodes.append(seconds)
+        large = self._large is not None and self.prior.is_large(shape)
+        (self._large if large else self._small).observe(shape, seconds)
+        self.num_observed += 1
+        self._current = None  # refitted when next asked
 
 
 def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:

@@ -10,6 +10,7 @@ from aiohttp import web
 
 from kvtierd import __version__
 from kvtierd.cache.fragmentation import Fragmentation
+from kvtierd.engine.step_cost import StepCost
 from kvtierd.server.chunk_catalog import CatalogReconciliation
 from kvtierd.server.errors import ApiError
 from kvtierd.server.placement import placed_here
@@ -65,8 +66,15 @@ def qos_status(eng) -> dict:
 def step_cost_status(eng) -> dict:
     """What a step costs as the engine measures it: the time-bounded steps plan with these."""
     cost = eng.step_cost.current
+    status = _coefficients_ms(cost)
+    if cost.large is not None:  # a quantized mode's steps past small_step_max_tokens
+        status["large_step"] = {**_coefficients_ms(cost.large), "past_tokens": cost.small_step_max_tokens}
+    return {**status, "steps_observed": eng.step_cost.num_observed}
+
+
+def _coefficients_ms(cost: StepCost) -> dict:
     return {"overhead_ms": cost.overhead_s * 1e3, "prefill_token_ms": cost.prefill_token_s * 1e3,
-            "decode_token_ms": cost.decode_token_s * 1e3, "steps_observed": eng.step_cost.num_observed}
+            "decode_token_ms": cost.decode_token_s * 1e3, "context_token_ms": cost.context_token_s * 1e3}
 
 
 @routes.get("/admin/status")
