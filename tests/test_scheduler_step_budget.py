@@ -283,13 +283,13 @@ def test_a_flood_of_large_steps_leaves_what_a_lone_decode_costs_as_measured():
 
 
 def test_the_budget_s_unit_is_a_lone_decode_as_measured_not_as_extrapolated():
-    """Before any lone decode ran, its cost is the fit's prediction; then it is the median of the last ones
-    measured, whatever the flood's steps make the fit say about a step that small."""
+    """Before any lone decode ran, its cost is the fit's prediction; then it is the lower quartile of the last
+    ones measured, whatever the flood's steps make the fit say about a step that small."""
     model = StepCostModel(prior=COST)
     assert model.one_decode_s == pytest.approx(COST.seconds(StepShape(0, 1)))
-    for seconds in (0.021, 0.019, 0.020, 0.090):  # one of them slowed by the machine
+    for seconds in (0.021, 0.019, 0.020, 0.022, 0.090, 0.080, 0.085, 0.075):  # half slowed by arrivals
         model.observe(StepShape(0, 1, 50), seconds)
     for i in range(500):  # long-context steps, all alike: overhead and context cost cannot be told apart
         model.observe(StepShape(0, 4, 4000 + i % 3), 0.070)
-    assert model.one_decode_s == pytest.approx(0.0205)
+    assert model.one_decode_s == pytest.approx(0.021)
     assert model.current.seconds(StepShape(0, 1, 50)) > 0.025  # what the fit alone would have planned with

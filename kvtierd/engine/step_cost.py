@@ -31,12 +31,11 @@ non-negative.
 from __future__ import annotations
 
 import itertools
-import statistics
 from collections import deque
 from dataclasses import dataclass, replace
 
 NUM_TERMS = 4  # overhead, prefill tokens, decodes, context tokens
-LONE_DECODES_KEPT = 16  # the last steps of one decode alone whose median is `one_decode_s`
+LONE_DECODES_KEPT = 32  # the last steps of one decode alone, whose lower quartile is `one_decode_s`
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,12 +198,14 @@ class StepCostModel:
 
     @property
     def one_decode_s(self) -> float:
-        """What a step of one decode alone costs (a lone request's inter-token latency): the median of the
-        last such steps, as measured; predicted by the fit until one ran. Measured rather than predicted
+        """What a step of one decode alone costs (a lone request's inter-token latency): the lower quartile of
+        the last such steps, as measured; predicted by the fit until one ran. Measured rather than predicted
         because a flood's steps are all alike (every one has long contexts, few are small): a fit over them
-        extrapolates poorly to one short decode, and this is the unit the step budget is built on."""
+        extrapolates poorly to one short decode, and this is the unit the step budget is built on. The lower
+        quartile, not the median: lone decodes run while a flood's requests arrive (parsed and tokenized on
+        the daemon's other thread) measured twice their cost, and the budget would grow with them."""
         if self._lone_decodes:
-            return statistics.median(self._lone_decodes)
+            return sorted(self._lone_decodes)[len(self._lone_decodes) // 4]
         return self.current.seconds(StepShape(num_decodes=1))
 
     def observe(self, shape: StepShape, seconds: float) -> None:
