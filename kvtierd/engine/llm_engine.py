@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 from kvtierd.cache.block_hash import namespace_root
 from kvtierd.cache.cache_shares import CacheShares
 from kvtierd.cache.compaction import CompactionResult
-from kvtierd.cache.kv_cache_manager import KVCacheManager, SessionView
+from kvtierd.cache.kv_cache_manager import KVCacheManager
+from kvtierd.cache.session_cache import SessionView
 from kvtierd.cache.pins import Pin
 from kvtierd.cache.reserved_region import ReservedRegion
 from kvtierd.cache.retention import Retention
@@ -186,13 +187,14 @@ class LLMEngine:
             tag=tag,
             qos_class=qos_class,
         )
+        req.block_hashes = self.kv.hashes(req.cache_root)  # its tokens are known: each page is hashed once
         self.requests[request_id] = req
         if retention is not None:
             self.kv.retain(request_id, retention)
         self.scheduler.add(req)
         if self.config.enable_prefix_caching:
             # Chunks on disk or remote start moving up now, and its lookup of the lower tiers starts.
-            self.kv.prefetch(req.cache_root, req.prompt_token_ids, request_id)
+            self.kv.prefetch(req.cache_root, req.prompt_token_ids, request_id, req.block_hashes)
         self.counters.requests += 1
         self.counters.prompt_tokens += req.num_prompt_tokens
         self._take_snapshot()
@@ -333,7 +335,8 @@ class LLMEngine:
         for s in scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.commit(req.request_id, req.cache_root, req.token_ids, req.num_computed_tokens, req.tag)
+            self.kv.commit(req.request_id, req.cache_root, req.token_ids, req.num_computed_tokens, req.tag,
+                           req.block_hashes)
         if not sample_idx:
             return []
         reqs = [scheduled[i].request for i in sample_idx]
