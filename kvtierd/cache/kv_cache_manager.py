@@ -267,14 +267,14 @@ class KVCacheManager:
         done, bs = len(table.block_hashes), self.block_size
         if num_computed // bs <= done:
             return
-        if table.public_blocks:  # its own pages chain from the public prefix's last, rebased
-            prev = table.block_hashes[-1]
-            own = BlockHashes(prev if done > table.public_blocks else rebase(prev, root, self.hash_algorithm), bs,
-                              self.hash_algorithm)
-            new = own.of_full_pages(token_ids[done * bs : num_computed])
-        else:
-            new = self.hashes(root, hashes).first(token_ids, num_computed // bs)[done:]
         prev = table.block_hashes[-1] if done else None
+        if hashes is not None and not table.public_blocks:
+            new = self.hashes(root, hashes).first(token_ids, num_computed // bs)[done:]
+        else:  # chained from its last indexed page; a tenant's first own page after a public prefix: rebased
+            chain = root if prev is None else prev
+            if prev is not None and done == table.public_blocks:
+                chain = rebase(prev, root, self.hash_algorithm)
+            new = BlockHashes(chain, bs, self.hash_algorithm).of_full_pages(token_ids[done * bs : num_computed])
         for i, h in enumerate(new, start=done):
             self.pool.cache(table.block_ids[i], h, token_ids[i * bs : (i + 1) * bs], root, depth=i, parent=prev)
             prev = h

@@ -96,10 +96,7 @@ class StoresBelow:
         for (root, _), chain in sessions:
             if chain.public_blocks:
                 continue
-            resident = 0
-            while resident < len(chain.block_hashes) and \
-                    self.pool.generation[chain.block_ids[resident]] == chain.generations[resident]:
-                resident += 1
+            resident = len(chain.resident(self.pool.generation))
             copies += self.copies(root, chain.block_hashes[:resident], chain.token_ids, chain.block_ids)
         index = self.pool.index
         hit = {b: page for b, page in self.pool.cached_blocks() if index.hits.get(b, 0)}

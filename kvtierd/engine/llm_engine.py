@@ -165,14 +165,15 @@ class LLMEngine:
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = "",
         session_id: str | None = None, tag: str | None = None, qos_class: str = "normal",
-        retention: Retention | None = None,
+        retention: Retention | None = None, validated: bool = False,
     ) -> str:
         """Queues a request; its KV is shared only with requests of the same tenant (and
         public prefixes are shared with all). A request of a session starts from the
         session's context pool and leaves its own there; `tag` marks its prefix's pages;
         `qos_class` (high, normal, low) orders admission and preemption; `retention` keeps its pages
         ahead of ordinary ones in eviction for a while (cache/retention.py)."""
-        self.validate(prompt_token_ids, params, qos_class)
+        if not validated:  # a caller that validated it already says so: a prompt is checked once
+            self.validate(prompt_token_ids, params, qos_class)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
