@@ -43,7 +43,7 @@ from kvtierd.cache.loading import LoadTicket, Loading
 from kvtierd.cache.page_table import PageTable
 from kvtierd.cache.pinning import Pinning
 from kvtierd.cache.pins import Pin, Pins
-from kvtierd.cache.prefix_lookup import PrefixHit, PrefixLookup, on_device
+from kvtierd.cache.prefix_lookup import DeviceHit, PrefixHit, PrefixLookup, on_device
 from kvtierd.cache.reserved_region import ReservedRegion
 from kvtierd.cache.retention import Retention
 from kvtierd.cache.session_cache import SessionCache, SessionView
@@ -150,10 +150,16 @@ class KVCacheManager:
 
     # -- finding and adopting cached KV ---------------------------------------------------
 
+    def device_hit(self, root: BlockHash, token_ids: Sequence[int], hashes: BlockHashes | None = None) -> DeviceHit:
+        """`token_ids`' pages in the tenant's index, each confirmed by its tokens: an admission looks once and
+        hands it to `look_below` and `find_prefix` (nothing between them changes the index)."""
+        return self.lookup.device_hit(self.hashes(root, hashes), token_ids)
+
     def find_prefix(self, root: BlockHash, token_ids: Sequence[int], session_id: str | None = None,
-                    below: bool = True, hashes: BlockHashes | None = None) -> PrefixHit:
+                    below: bool = True, hashes: BlockHashes | None = None,
+                    device: DeviceHit | None = None) -> PrefixHit:
         """The longest cached start of `token_ids` (`PrefixLookup.find`)."""
-        return self.lookup.find(self.hashes(root, hashes), token_ids, session_id, below)
+        return self.lookup.find(self.hashes(root, hashes), token_ids, session_id, below, device)
 
     def adopt_prefix(self, seq_id: str, hit: PrefixHit, tag: str | None = None, high: bool = False) -> PrefixHit:
         """Starts `seq_id`'s page table with the hit's pages (shared, read-only). A hit with chunks below is
@@ -187,14 +193,14 @@ class KVCacheManager:
     # -- two-phase loads (cache/loading.py) ----------------------------------------------------
 
     def look_below(self, seq_id: str, root: BlockHash, token_ids: Sequence[int], high: bool = False,
-                   hashes: BlockHashes | None = None) -> RestorePlan:
+                   hashes: BlockHashes | None = None, device: DeviceHit | None = None) -> RestorePlan:
         """Looks up what the lower tiers hold past the tenant's device hit for `token_ids`, off the step (its
         arrival's lookup when still valid, `prefetch`). `seq_id in loading` after it when it is looking up or
         loading now (the scheduler's two phases: `load_ready`, then `finish_load`); otherwise nothing below is
         to be loaded, and the plan says why."""
         if self.loading is None:
             return NOTHING_BELOW
-        hit = self.lookup.device_hit(self.hashes(root, hashes), token_ids)
+        hit = device or self.device_hit(root, token_ids, hashes)
         if hit.complete:
             self.loading.forget(seq_id)
             return NOTHING_BELOW
@@ -231,7 +237,7 @@ class KVCacheManager:
         lower tiers (on a lookup worker: `look_below` uses its answer)."""
         if self.tiers is None:
             return
-        hit = self.lookup.device_hit(self.hashes(root, hashes), token_ids)
+        hit = self.device_hit(root, token_ids, hashes)
         if not hit.complete:
             tiers, start = self.tiers, len(hit.block_ids)
             tiers.prefetch(root, hit.hashes, hit.usable, start)

@@ -87,12 +87,12 @@ class PrefixLookup:
         return DeviceHit(self.pages(full, usable), full, usable)
 
     def find(self, hashes: BlockHashes, token_ids: Sequence[int], session_id: str | None = None,
-             below: bool = True) -> PrefixHit:
+             below: bool = True, device: DeviceHit | None = None) -> PrefixHit:
         """The longest cached start of `token_ids`: from the session's pool (to the token), the tenant's
         prefix index or the public one (whole pages). `below`: the tenant's index hit is extended by the
-        chunks the lower tiers hold."""
+        chunks the lower tiers hold. `device`: the tenant's index hit, when the caller looked already."""
         root = hashes.root
-        best = self._index_hit(hashes, token_ids, below)
+        best = self._index_hit(hashes, device or self.device_hit(hashes, token_ids), below)
         if self.public_root is not None and root != self.public_root and self.pool.has_namespace(self.public_root):
             public = self._public_hit(root, token_ids)
             if public.num_tokens > best.num_tokens:
@@ -103,8 +103,7 @@ class PrefixLookup:
                 best = session
         return best
 
-    def _index_hit(self, hashes: BlockHashes, token_ids: Sequence[int], below: bool) -> PrefixHit:
-        hit = self.device_hit(hashes, token_ids)
+    def _index_hit(self, hashes: BlockHashes, hit: DeviceHit, below: bool) -> PrefixHit:
         blocks = hit.block_ids
         found = self.tiers.lookup(hashes.root, hit.hashes, hit.usable, len(blocks)) \
             if self.tiers is not None and below else []

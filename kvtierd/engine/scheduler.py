@@ -329,12 +329,16 @@ class Scheduler:
         kv, restore, loaded = self.kv, None, req.loaded
         if loaded is not None:  # its loads arrived (or its deadline passed): what came is cached now
             restore, req.loaded, req.prefix_loaded = loaded.plan, None, True
-        if self.enable_prefix_caching and not req.prefix_loaded:
-            restore = kv.look_below(req.request_id, req.cache_root, req.token_ids, req.high, self._hashes(req))
-            if kv.loading is not None and req.request_id in kv.loading:
-                return False  # its lookup (and loads) run off the step: it waits in `loading`
-        hit = kv.find_prefix(req.cache_root, req.token_ids, req.session_id, below=False, hashes=self._hashes(req)) \
-            if self.enable_prefix_caching else NO_HIT
+        hit = NO_HIT
+        if self.enable_prefix_caching:
+            # Its pages in the index are looked up (and their tokens checked) once for this admission.
+            device = kv.device_hit(req.cache_root, req.token_ids, self._hashes(req))
+            if not req.prefix_loaded:
+                restore = kv.look_below(req.request_id, req.cache_root, req.token_ids, req.high, device=device)
+                if kv.loading is not None and req.request_id in kv.loading:
+                    return False  # its lookup (and loads) run off the step: it waits in `loading`
+            hit = kv.find_prefix(req.cache_root, req.token_ids, req.session_id, below=False,
+                                 hashes=self._hashes(req), device=device)
         hit = kv.adopt_prefix(req.request_id, hit, req.tag, req.high)
         req.num_computed_tokens = hit.num_tokens
         if req.num_cached_tokens < 0:  # what the client is told: the first admission's hit
