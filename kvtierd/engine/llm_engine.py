@@ -16,10 +16,10 @@ from kvtierd.cache.block_hash import namespace_root
 from kvtierd.cache.cache_shares import CacheShares
 from kvtierd.cache.compaction import CompactionResult
 from kvtierd.cache.kv_cache_manager import KVCacheManager
-from kvtierd.cache.session_cache import SessionView
 from kvtierd.cache.pins import Pin
 from kvtierd.cache.reserved_region import ReservedRegion
 from kvtierd.cache.retention import Retention
+from kvtierd.cache.session_cache import SessionView
 from kvtierd.engine.config import QOS_CLASSES, EngineConfig, QosConfig
 from kvtierd.engine.errors import RequestError
 from kvtierd.engine.model_runner import ModelRunner
@@ -177,18 +177,19 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        root = self._root(tenant)
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             detokenizer=IncrementalDetokenizer(self.loaded.tokenizer, list(params.stop)),
             arrival_time=time.monotonic(),
-            cache_root=self._root(tenant),
+            cache_root=root,
             session_id=session_id,
             tag=tag,
             qos_class=qos_class,
+            block_hashes=self.kv.hashes(root),  # its tokens are known: each page is hashed once
         )
-        req.block_hashes = self.kv.hashes(req.cache_root)  # its tokens are known: each page is hashed once
         self.requests[request_id] = req
         if retention is not None:
             self.kv.retain(request_id, retention)
