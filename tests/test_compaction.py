@@ -153,7 +153,7 @@ def test_compaction_renames_every_reference_and_moves_the_kv_with_it():
     session = list(kv.sessions.get((ROOT_A, "s")).block_ids)
     pinned = list(kv.pins.get("pin-a").block_ids)
     indexed = dict(pool.cached_blocks())
-    refs = {b: (pool.ref_count(b), pool.hits.get(b), pool.tags.get(b), pool.is_pinned(b)) for b in range(32)}
+    refs = {b: (pool.ref_count(b), pool.index.hits.get(b), pool.index.tags.get(b), pool.is_pinned(b)) for b in range(32)}
     live = kv.page_use().live
     snapshot = [(k.clone(), v.clone()) for k, v in dev.kv_caches]
     num_free = kv.num_free_blocks
@@ -168,7 +168,7 @@ def test_compaction_renames_every_reference_and_moves_the_kv_with_it():
     assert kv.pins.get("pin-a").block_ids == [new[b] for b in pinned]
     assert dict(pool.cached_blocks()) == {new[b]: page for b, page in indexed.items()}
     assert all(pool.block_of(page.block_hash) == new[b] for b, page in indexed.items())
-    assert all(refs[b] == (pool.ref_count(new[b]), pool.hits.get(new[b]), pool.tags.get(new[b]),
+    assert all(refs[b] == (pool.ref_count(new[b]), pool.index.hits.get(new[b]), pool.index.tags.get(new[b]),
                            pool.is_pinned(new[b])) for b in range(32))
     for layer, (k, v) in enumerate(dev.kv_caches):
         for b in live:

@@ -13,7 +13,8 @@ from fake_clock import FakeClock
 from kvtierd.cache.block_hash import namespace_root
 from kvtierd.cache.cache_shares import CacheShares
 from kvtierd.cache.eviction import EVICTION_POLICIES, make_policy
-from kvtierd.cache.kv_cache_manager import KVCacheManager, PrefixHit
+from kvtierd.cache.kv_cache_manager import KVCacheManager
+from kvtierd.cache.prefix_lookup import PrefixHit
 from kvtierd.engine.config import EngineConfig
 
 ROOT_A = namespace_root("model-1", "tenant-a")
@@ -60,7 +61,7 @@ def test_a_hot_chain_released_early(policy, order):
     assert reuse(kv, "c", [1, 2, 3, 4, 9]) == [0, 1]  # one hit each; its partial page 4 comes back uncached
     assert computed(kv, "d", [11, 12, 13, 14]) == [5, 4]
     kv.free("d")
-    assert kv.pool.num_cached_blocks == 6 and kv.pool.hits == {0: 1, 1: 1}
+    assert kv.pool.num_cached_blocks == 6 and kv.pool.index.hits == {0: 1, 1: 1}
     assert take_all(kv) == order
     assert kv.pool.evictions.capacity == 6 and kv.pool.num_cached_blocks == 0
 
@@ -311,7 +312,7 @@ class EvictionMachine(RuleBasedStateMachine):
                 assert page is None or page.root in (root, ROOT_P)
                 continue
             assert page.root in (root, ROOT_P) and (page.root == root or hit.source == "public")
-            assert pool.ref_count(b) > 0 or self.clock.now - pool.last_access[b] < self.TTL, "served an expired page"
+            assert pool.ref_count(b) > 0 or self.clock.now - pool.index.last_access[b] < self.TTL, "served an expired page"
         self.kv.adopt_prefix(seq, hit, tag)
         self.roots[seq] = root
         if session is not None:
@@ -356,7 +357,7 @@ class EvictionMachine(RuleBasedStateMachine):
     def expire(self):
         self.kv.expire()
         pool = self.kv.pool
-        assert all(self.clock.now - pool.last_access[b] < self.TTL for b in pool.idle_cached_blocks())
+        assert all(self.clock.now - pool.index.last_access[b] < self.TTL for b in pool.idle_cached_blocks())
 
     @rule(root=st.sampled_from([ROOT_A, ROOT_B, ROOT_P]))
     def invalidate(self, root):
@@ -376,7 +377,7 @@ class EvictionMachine(RuleBasedStateMachine):
     @rule()
     def invalidate_tag(self):
         self.kv.invalidate_tag("doc:v1")
-        assert not any("doc:v1" in tags for tags in self.kv.pool.tags.values())
+        assert not any("doc:v1" in tags for tags in self.kv.pool.index.tags.values())
 
     @rule(root=st.sampled_from([ROOT_A, ROOT_B, ROOT_P]), session=st.sampled_from(["x", "y"]))
     def invalidate_session(self, root, session):

@@ -108,7 +108,7 @@ def test_a_page_whose_tokens_do_not_match_its_hash_is_never_used():
     kv.pool.cache(kv.block_ids("a")[0], hashes[0], tokens[0:4], ROOT_A)
     kv.pool.cache(kv.block_ids("a")[1], hashes[1], [7, 7, 7, 7], ROOT_A)
     hit = kv.find_prefix(ROOT_A, tokens)
-    assert hit.block_ids == [kv.block_ids("a")[0]] and kv.pool.num_token_mismatches == 1
+    assert hit.block_ids == [kv.block_ids("a")[0]] and kv.pool.index.num_token_mismatches == 1
 
 
 @pytest.mark.parametrize("algorithm", HASH_FUNCTIONS)

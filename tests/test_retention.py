@@ -60,7 +60,7 @@ def test_higher_priority_outlasts_lower_and_a_touch_keeps_the_stronger_hint():
     low = run(kv, "low", [1, 2, 3, 0], Retention(priority=1, duration_s=100))[0]
     high = run(kv, "high", [5, 6, 7, 0], Retention(priority=9, duration_s=10))[0]
     run(kv, "reuse", [5, 6, 7, 0])  # an ordinary request reuses the high one's page: its hint stays
-    assert kv.pool.retained[high].priority == 9
+    assert kv.pool.order.retained[high].priority == 9
     pages = take(kv, 4, "all")
     assert pages.index(low) < pages.index(high)  # among retained pages, the lower priority goes first
 

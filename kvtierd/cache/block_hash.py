@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import NewType
 
 import xxhash
@@ -53,6 +54,31 @@ def hash_full_blocks(
         parent = hash_block(parent, token_ids[b * block_size : (b + 1) * block_size], algorithm)
         out.append(parent)
     return out
+
+
+@dataclass(slots=True)
+class BlockHashes:
+    """One sequence's chained page hashes in its namespace, each computed once: a request's tokens only
+    grow (prompt, then output), so the hashes of its first pages never change. Made when its prompt is
+    known and carried with it, so its lookups, loads and commits share them."""
+
+    root: BlockHash
+    block_size: int
+    algorithm: str = "md5"
+    hashes: list[BlockHash] = field(default_factory=list)
+
+    def first(self, token_ids: Sequence[int], num_blocks: int) -> list[BlockHash]:
+        """The hashes of the first `num_blocks` full pages of `token_ids` (this sequence's tokens)."""
+        bs = self.block_size
+        assert num_blocks * bs <= len(token_ids), "hashing a page that is not full"
+        for i in range(len(self.hashes), num_blocks):
+            parent = self.hashes[-1] if self.hashes else self.root
+            self.hashes.append(hash_block(parent, token_ids[i * bs : (i + 1) * bs], self.algorithm))
+        return self.hashes[:num_blocks]
+
+    def of_full_pages(self, token_ids: Sequence[int]) -> list[BlockHash]:
+        """The hashes of every full page of `token_ids`."""
+        return self.first(token_ids, len(token_ids) // self.block_size)
 
 
 def rebase(public_hash: BlockHash, tenant_root: BlockHash, algorithm: str = "md5") -> BlockHash:

@@ -21,11 +21,12 @@ The arithmetic lives in `storage/owner_shares.py`: the host slab and the disk st
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 
 from kvtierd.cache.block_hash import BlockHash
 from kvtierd.cache.eviction import EvictionPolicy, IdlePage
+from kvtierd.cache.page_remap import PageRemap
 from kvtierd.cache.retention import RetainingPolicy
 from kvtierd.storage.owner_shares import WeightedShares
 
@@ -104,7 +105,7 @@ class ShareEviction(EvictionPolicy):
         sub = self._by_root.get(page.root)
         if sub is None:
             sub = self._by_root[page.root] = self._make_policy()
-        sub.add(replace(page))  # its own copy: renumbering renames each policy's pages once
+        sub.add(replace(page))  # its own copy: a remap renames each policy's pages once
 
     def _removed(self, page: IdlePage) -> None:
         sub = self._by_root[page.root]
@@ -124,6 +125,6 @@ class ShareEviction(EvictionPolicy):
     def num_retained(self) -> int:
         return sum(sub.num_retained for sub in self._by_root.values())
 
-    def _renumbered(self, new_id: Sequence[int]) -> None:
+    def _remapped(self, remap: PageRemap) -> None:
         for sub in self._by_root.values():
-            sub.renumber(new_id)
+            sub.remap(remap)

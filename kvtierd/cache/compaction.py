@@ -17,29 +17,26 @@ A live page held by something that is not a page table (a load in flight)
 is fixed: it keeps its id and the others are placed around it.
 
 The plan is a permutation of all page ids: live pages go to their places, and
-the free pages they land on take the places they left. So the block pool,
-page tables, session pools and pins are renamed by one mapping and every
-order they keep (free queue, eviction order) stays as it was. Only live pages
+the free pages they land on take the places they left. So every holder of
+page ids (the block pool's parts, page tables, session pools, pins) is
+renamed by one `PageRemap` (`cache/page_remap.py`) and every order they keep
+(free queue, eviction order) stays as it was. Only live pages
 that move are copied; `DeviceKVPool.copy_blocks` reads every source page of a
 layer before it writes any, so moves may chain and cycle. A plan is valid
 only until the pages change: copy and rename between two engine steps
 (`KVCacheManager.plan_compaction` / `apply_compaction`).
 
-A page's generation steps past the old generations of both its ids (the
-block pool's `renumber`): a session pool's reference to a page that still
-held its KV follows the page, and a stale one stays stale.
+A page's generation steps past the old generations of both its ids
+(`PageRemap.of`): a session pool's reference to a page that still held its
+KV follows the page, and a stale one stays stale.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
-from kvtierd.cache.block_pool import BlockPool
 from kvtierd.cache.fragmentation import Fragmentation, PageUse, measure
-from kvtierd.cache.page_table import PageTable
-from kvtierd.cache.pins import Pins
-from kvtierd.cache.session_pool import SessionPools
+from kvtierd.cache.page_remap import PageRemap
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,6 +45,10 @@ class CompactionPlan:
     copies: list[tuple[int, int]]  # (old, new) of the live pages that move: copy their KV, then rename
     free: list[int]  # the free pages afterwards (new ids, ascending): allocation takes them first
     before: Fragmentation
+
+    def remap(self, generation: list[int]) -> PageRemap:
+        """The renaming every holder applies, from the block pool's generations now."""
+        return PageRemap.of(self.new_id, self.free, generation)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,23 +73,6 @@ def plan_compaction(use: PageUse) -> CompactionPlan:
     copies = [(b, new_id[b]) for b in order if new_id[b] != b]
     free = [b for b in range(use.num_blocks) if b not in taken and b not in use.fixed]
     return CompactionPlan(new_id, copies, free, measure(use))
-
-
-def rename_pages(plan: CompactionPlan, pool: BlockPool, tables: Iterable[PageTable], sessions: SessionPools,
-                 pins: Pins) -> None:
-    """Renames every page as `plan` says, wherever the cache names it."""
-    new_id = plan.new_id
-    old_generation = list(pool.generation)
-    pool.renumber(new_id, plan.free)
-    for table in tables:
-        table.block_ids = [new_id[b] for b in table.block_ids]
-    for _, chain in sessions:
-        for i, (b, gen) in enumerate(zip(chain.block_ids, chain.generations)):
-            if gen == old_generation[b]:  # the session's KV: it moved with its page, and is valid there
-                chain.block_ids[i] = new_id[b]
-                chain.generations[i] = pool.generation[new_id[b]]
-    for pin in pins:
-        pin.block_ids = [new_id[b] for b in pin.block_ids]
 
 
 def _placement_order(use: PageUse) -> list[int]:

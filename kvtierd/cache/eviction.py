@@ -32,11 +32,11 @@ import heapq
 import itertools
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtierd.cache.block_hash import BlockHash
+from kvtierd.cache.page_remap import PageRemap
 
 if TYPE_CHECKING:
     from kvtierd.cache.retention import RetainedUntil
@@ -98,13 +98,13 @@ class EvictionPolicy(ABC):
         self.discard(block_id)
         return block_id
 
-    def renumber(self, new_id: Sequence[int]) -> None:
-        """Renames every page b to new_id[b] (compaction); the order pages go in stays as it was."""
+    def remap(self, remap: PageRemap) -> None:
+        """Renames every page as compaction says; the order pages go in stays as it was."""
         for page in self._pages.values():
-            page.block_id = new_id[page.block_id]
+            page.block_id = remap[page.block_id]
         self._pages = {page.block_id: page for page in self._pages.values()}
-        self._by_hash = {h: new_id[b] for h, b in self._by_hash.items()}
-        self._renumbered(new_id)
+        self._by_hash = remap.values(self._by_hash)
+        self._remapped(remap)
 
     def _idle_parent(self, page: IdlePage) -> IdlePage | None:
         if page.parent_hash is None:
@@ -124,7 +124,7 @@ class EvictionPolicy(ABC):
     def _choose(self) -> int: ...
 
     @abstractmethod
-    def _renumbered(self, new_id: Sequence[int]) -> None: ...
+    def _remapped(self, remap: PageRemap) -> None: ...
 
 
 class LRUPolicy(EvictionPolicy):
@@ -149,8 +149,8 @@ class LRUPolicy(EvictionPolicy):
     def _choose(self) -> int:
         return next(iter(self._queue))
 
-    def _renumbered(self, new_id: Sequence[int]) -> None:
-        self._queue = OrderedDict.fromkeys(new_id[b] for b in self._queue)
+    def _remapped(self, remap: PageRemap) -> None:
+        self._queue = remap.order(self._queue)
 
 
 class _LeafHeapPolicy(EvictionPolicy):
@@ -206,10 +206,10 @@ class _LeafHeapPolicy(EvictionPolicy):
             if self._entry_of.get(b) == entry:
                 return b
 
-    def _renumbered(self, new_id: Sequence[int]) -> None:
+    def _remapped(self, remap: PageRemap) -> None:
         # Entry ids are unique, so no comparison reaches the page: the heap stays a heap.
-        self._heap = [(key, entry, new_id[b]) for key, entry, b in self._heap]
-        self._entry_of = {new_id[b]: entry for b, entry in self._entry_of.items()}
+        self._heap = [(key, entry, remap[b]) for key, entry, b in self._heap]
+        self._entry_of = remap.keys(self._entry_of)
 
 
 class LFUPolicy(_LeafHeapPolicy):

@@ -242,7 +242,7 @@ class Loading:
             indexed = self._pool.block_of(span.block_hashes[i])  # another page may have had the hash first
             if indexed is None:
                 return False
-            self._pool.hits[indexed] = max(1, self._pool.hits.get(indexed, 0))  # asked for again: reused
+            self._pool.index.hits[indexed] = max(1, self._pool.index.hits.get(indexed, 0))  # asked for again: reused
             blocks.append(indexed)
             hashes.append(span.block_hashes[i])
         return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import BlockHash
+from kvtierd.cache.page_remap import PageRemap
 
 
 @dataclass(slots=True)
@@ -30,3 +31,6 @@ class PageTable:
     @property
     def last_block_is_partial(self) -> bool:
         return self.num_tokens % self.block_size != 0
+
+    def remap(self, remap: PageRemap) -> None:
+        self.block_ids = remap.ids(self.block_ids)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import BlockHash
 from kvtierd.cache.block_pool import BlockPool
+from kvtierd.cache.page_remap import PageRemap
 from kvtierd.cache.session_pool import SessionKey
 
 
@@ -114,6 +115,11 @@ class Pins:
         now = self._clock() if now is None else now
         gone = [p.pin_id for p in self._pins.values() if p.expires_at is not None and p.expires_at <= now]
         return [pin for pin_id in gone if (pin := self.remove(pin_id)) is not None]
+
+    def remap(self, remap: PageRemap) -> None:
+        """Renames the pages each pin holds (compaction; the block pool renames its pin counts)."""
+        for pin in self._pins.values():
+            pin.block_ids = remap.ids(pin.block_ids)
 
     def _holders(self, block_id: int) -> int:
         return sum(block_id in p.block_ids for p in self._pins.values())

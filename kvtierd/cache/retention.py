@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from kvtierd.cache.eviction import EvictionPolicy, IdlePage, make_policy
+from kvtierd.cache.page_remap import PageRemap
 
 MAX_RETENTION_PRIORITY = 10
 MAX_RETENTION_S = 86400.0  # a day: longer wants a pin, which an admin sets and can see
@@ -69,7 +70,7 @@ class RetainingPolicy(EvictionPolicy):
 
     def _added(self, page: IdlePage) -> None:
         held = page.retained
-        page = replace(page)  # its own copy: renumbering renames each policy's pages once
+        page = replace(page)  # its own copy: a remap renames each policy's pages once
         if held is None or held.until <= self._clock():
             self._ordinary.add(page)
             return
@@ -110,11 +111,11 @@ class RetainingPolicy(EvictionPolicy):
     def num_retained(self) -> int:
         return len(self._retained)
 
-    def _renumbered(self, new_id: Sequence[int]) -> None:
-        self._ordinary.renumber(new_id)
-        self._retained = {new_id[b]: page for b, page in self._retained.items()}
+    def _remapped(self, remap: PageRemap) -> None:
+        self._ordinary.remap(remap)
+        self._retained = remap.keys(self._retained)
         for page in self._retained.values():
-            page.block_id = new_id[page.block_id]
-        self._entry_of = {new_id[b]: e for b, e in self._entry_of.items()}
-        self._by_rank = [(p, u, e, new_id[b]) for p, u, e, b in self._by_rank]
-        self._by_end = [(u, e, new_id[b]) for u, e, b in self._by_end]
+            page.block_id = remap[page.block_id]
+        self._entry_of = remap.keys(self._entry_of)
+        self._by_rank = [(p, u, e, remap[b]) for p, u, e, b in self._by_rank]
+        self._by_end = [(u, e, remap[b]) for u, e, b in self._by_end]

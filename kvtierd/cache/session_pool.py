@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import time
 from array import array
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtierd.cache.block_hash import BlockHash
+from kvtierd.cache.page_remap import PageRemap
 
 SessionKey = tuple[BlockHash, str]  # (namespace root, session id): ids never cross tenants
 
@@ -38,6 +39,15 @@ class SessionChain:
     public_blocks: int  # leading pages from the public namespace
     own_from: int  # its first page not adopted from the prefix index: what expiry may drop
     last_used: float
+
+    def resident(self, generation: Sequence[int]) -> list[int]:
+        """The leading pages that still hold what the session left there (`generation`: the block pool's)."""
+        pages = []
+        for b, gen in zip(self.block_ids, self.generations):
+            if generation[b] != gen:
+                break
+            pages.append(b)
+        return pages
 
 
 class SessionPools:
@@ -89,3 +99,11 @@ class SessionPools:
             if key not in keep:
                 out.append((key, self._chains.pop(key)))
         return out
+
+    def remap(self, remap: PageRemap) -> None:
+        """Renames the pages that still hold their session's KV (compaction); a stale one stays stale."""
+        for chain in self._chains.values():
+            for i, (b, gen) in enumerate(zip(chain.block_ids, chain.generations)):
+                renamed = remap.weak(b, gen)
+                if renamed is not None:
+                    chain.block_ids[i], chain.generations[i] = renamed

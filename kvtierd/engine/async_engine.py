@@ -64,7 +64,7 @@ class AsyncEngine:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = "",
         session_id: str | None = None, tag: str | None = None, qos_class: str = "normal",
-        retention: Retention | None = None,
+        retention: Retention | None = None, validated: bool = False,
     ) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; leaving the iteration early cancels it.
 
@@ -72,7 +72,8 @@ class AsyncEngine:
         waits past its class's max_queue_s, or is shed, raises OverloadedError."""
         if self._stopped:
             raise EngineStoppedError("the engine is shutting down")
-        self.engine.validate(prompt_token_ids, params, qos_class)
+        if not validated:  # `validated`: the caller checked it with `LLMEngine.validate` (it is checked once)
+            self.engine.validate(prompt_token_ids, params, qos_class)
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         self._queues[request_id] = queue
@@ -98,7 +99,7 @@ class AsyncEngine:
              retention: Retention | None = None) -> None:
         try:
             self.engine.add_request(prompt_token_ids, params, request_id, tenant, session_id, tag, qos_class,
-                                    retention)
+                                    retention, validated=True)
         except Exception as e:  # reaches the caller instead of leaving it waiting
             queue.put_nowait(e)
 

@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from kvtierd.cache.block_hash import namespace_root
 from kvtierd.cache.cache_shares import CacheShares
 from kvtierd.cache.compaction import CompactionResult
-from kvtierd.cache.kv_cache_manager import KVCacheManager, SessionView
+from kvtierd.cache.kv_cache_manager import KVCacheManager
 from kvtierd.cache.pins import Pin
 from kvtierd.cache.reserved_region import ReservedRegion
 from kvtierd.cache.retention import Retention
+from kvtierd.cache.session_cache import SessionView
 from kvtierd.engine.config import QOS_CLASSES, EngineConfig, QosConfig
 from kvtierd.engine.errors import RequestError
 from kvtierd.engine.model_runner import ModelRunner
@@ -164,27 +165,30 @@ class LLMEngine:
     def add_request(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None, tenant: str = "",
         session_id: str | None = None, tag: str | None = None, qos_class: str = "normal",
-        retention: Retention | None = None,
+        retention: Retention | None = None, validated: bool = False,
     ) -> str:
         """Queues a request; its KV is shared only with requests of the same tenant (and
         public prefixes are shared with all). A request of a session starts from the
         session's context pool and leaves its own there; `tag` marks its prefix's pages;
         `qos_class` (high, normal, low) orders admission and preemption; `retention` keeps its pages
         ahead of ordinary ones in eviction for a while (cache/retention.py)."""
-        self.validate(prompt_token_ids, params, qos_class)
+        if not validated:  # a caller that validated it already says so: a prompt is checked once
+            self.validate(prompt_token_ids, params, qos_class)
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.requests:
             raise RequestError(f"request id {request_id!r} is already in use")
+        root = self._root(tenant)
         req = Request(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
             detokenizer=IncrementalDetokenizer(self.loaded.tokenizer, list(params.stop)),
             arrival_time=time.monotonic(),
-            cache_root=self._root(tenant),
+            cache_root=root,
             session_id=session_id,
             tag=tag,
             qos_class=qos_class,
+            block_hashes=self.kv.hashes(root),  # its tokens are known: each page is hashed once
         )
         self.requests[request_id] = req
         if retention is not None:
@@ -192,7 +196,7 @@ class LLMEngine:
         self.scheduler.add(req)
         if self.config.enable_prefix_caching:
             # Chunks on disk or remote start moving up now, and its lookup of the lower tiers starts.
-            self.kv.prefetch(req.cache_root, req.prompt_token_ids, request_id)
+            self.kv.prefetch(req.cache_root, req.prompt_token_ids, request_id, req.block_hashes)
         self.counters.requests += 1
         self.counters.prompt_tokens += req.num_prompt_tokens
         self._take_snapshot()
@@ -333,7 +337,8 @@ class LLMEngine:
         for s in scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.commit(req.request_id, req.cache_root, req.token_ids, req.num_computed_tokens, req.tag)
+            self.kv.commit(req.request_id, req.cache_root, req.token_ids, req.num_computed_tokens, req.tag,
+                           req.block_hashes)
         if not sample_idx:
             return []
         reqs = [scheduled[i].request for i in sample_idx]

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtierd.cache.block_hash import BlockHash
+from kvtierd.cache.block_hash import BlockHash, BlockHashes
 from kvtierd.cache.loading import LoadTicket
 from kvtierd.engine.sampling_params import SamplingParams
 from kvtierd.model.detokenizer import IncrementalDetokenizer
@@ -78,7 +78,7 @@ class Request:
     num_preemptions: int = 0
     prefix_loaded: bool = False  # its prefix was loaded from below for this admission: recompute what did not come
     loaded: LoadTicket | None = None  # what its loads brought, from their arrival to its admission
-    prompt_block_hashes: list[BlockHash] | None = None  # computed once, on first admission
+    block_hashes: BlockHashes | None = None  # its pages' hashes in its namespace, each computed once
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

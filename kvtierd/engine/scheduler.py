@@ -52,8 +52,9 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kvtierd.cache.block_hash import BlockHash, hash_full_blocks
-from kvtierd.cache.kv_cache_manager import NO_HIT, Allocation, KVCacheManager
+from kvtierd.cache.block_hash import BlockHash, BlockHashes
+from kvtierd.cache.kv_cache_manager import Allocation, KVCacheManager
+from kvtierd.cache.prefix_lookup import NO_HIT
 from kvtierd.engine.config import QOS_CLASSES, QosConfig
 from kvtierd.engine.qos_queue import QosQueue, TenantKey
 from kvtierd.engine.request import Request
@@ -304,11 +305,13 @@ class Scheduler:
             i -= 1
         self.running.insert(i, req)
 
+    def _hashes(self, req: Request) -> BlockHashes:
+        if req.block_hashes is None:  # made when the engine added it; here for requests queued directly
+            req.block_hashes = self.kv.hashes(req.cache_root)
+        return req.block_hashes
+
     def _prompt_hashes(self, req: Request) -> list[BlockHash]:
-        if req.prompt_block_hashes is None:
-            req.prompt_block_hashes = hash_full_blocks(req.cache_root, req.prompt_token_ids, self.kv.block_size,
-                                                       algorithm=self.kv.hash_algorithm)
-        return req.prompt_block_hashes
+        return self._hashes(req).of_full_pages(req.prompt_token_ids)
 
     def _pending_prompt_hashes(self, req: Request) -> list[BlockHash]:
         """Hashes of the prompt pages `req` has yet to compute (and index)."""
@@ -326,12 +329,16 @@ class Scheduler:
         kv, restore, loaded = self.kv, None, req.loaded
         if loaded is not None:  # its loads arrived (or its deadline passed): what came is cached now
             restore, req.loaded, req.prefix_loaded = loaded.plan, None, True
-        if self.enable_prefix_caching and not req.prefix_loaded:
-            restore = kv.look_below(req.request_id, req.cache_root, req.token_ids, req.high)
-            if kv.loading is not None and req.request_id in kv.loading:
-                return False  # its lookup (and loads) run off the step: it waits in `loading`
-        hit = kv.find_prefix(req.cache_root, req.token_ids, req.session_id, below=False) \
-            if self.enable_prefix_caching else NO_HIT
+        hit = NO_HIT
+        if self.enable_prefix_caching:
+            # Its pages in the index are looked up (and their tokens checked) once for this admission.
+            device = kv.device_hit(req.cache_root, req.token_ids, self._hashes(req))
+            if not req.prefix_loaded:
+                restore = kv.look_below(req.request_id, req.cache_root, req.token_ids, req.high, device=device)
+                if kv.loading is not None and req.request_id in kv.loading:
+                    return False  # its lookup (and loads) run off the step: it waits in `loading`
+            hit = kv.find_prefix(req.cache_root, req.token_ids, req.session_id, below=False,
+                                 hashes=self._hashes(req), device=device)
         hit = kv.adopt_prefix(req.request_id, hit, req.tag, req.high)
         req.num_computed_tokens = hit.num_tokens
         if req.num_cached_tokens < 0:  # what the client is told: the first admission's hit

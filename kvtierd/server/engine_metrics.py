@@ -81,7 +81,7 @@ def _families(eng: LLMEngine, server: ServerCounters, uptime_s: float) -> Iterat
                               "tenant above its share had an idle page).", eng.cache_shares.num_evictions_under_share)
     yield _per_tier("kvtierd_cache_token_mismatches",
                     "Hash hits refused because the stored tokens differ (never served).",
-                    CounterMetricFamily, pool.num_token_mismatches)
+                    CounterMetricFamily, pool.index.num_token_mismatches)
     yield GaugeMetricFamily("kvtierd_session_pools", "Sessions whose context pool is kept for their next turn.",
                             len(kv.sessions))
     yield GaugeMetricFamily("kvtierd_page_fragmentation_ratio",

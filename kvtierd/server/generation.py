@@ -61,7 +61,7 @@ class Generation:
                  workload: WorkloadRecorder | None = None, retention: Retention | None = None) -> None:
         engine.engine.validate(prompt_ids, params, qos_class)  # a bad request fails here, before any response starts
         self._stream = engine.generate(prompt_ids, params, tenant=tenant, session_id=session_id, tag=tag,
-                                       qos_class=qos_class, retention=retention)
+                                       qos_class=qos_class, retention=retention, validated=True)
         self._first: RequestOutput | None = None
         self._start = time.monotonic()
         self._observer = observer

@@ -67,16 +67,16 @@ async def list_prefixes(request: web.Request) -> web.Response:
     rows = []
     for b, page in pool.cached_blocks():
         tenant = eng.namespaces.get(page.root)
-        if not pool.is_leaf(b) or (want is not None and tenant != want):
+        if not pool.index.is_leaf(b) or (want is not None and tenant != want):
             continue
-        chain = pool.chain_to(b)
+        chain = pool.index.chain_to(b)
         head = [t for p in chain[: -(-PREVIEW_TOKENS // bs)] for t in pool.page_info(p).tokens][:PREVIEW_TOKENS]
         rows.append({
             "hash": page.block_hash.hex(), "tenant": "public" if tenant == PUBLIC_NAMESPACE else tenant,
-            "num_tokens": (page.depth + 1) * bs, "pages": len(chain), "hits": pool.hits.get(b, 0),
-            "first_page_hits": pool.hits.get(chain[0], 0),
-            "last_hit_s_ago": now - pool.last_access.get(b, now), "in_use": pool.ref_count(b) > 0,
-            "tier": "device", "pinned": False, "tags": sorted(pool.tags.get(b, ())),
+            "num_tokens": (page.depth + 1) * bs, "pages": len(chain), "hits": pool.index.hits.get(b, 0),
+            "first_page_hits": pool.index.hits.get(chain[0], 0),
+            "last_hit_s_ago": now - pool.index.last_access.get(b, now), "in_use": pool.ref_count(b) > 0,
+            "tier": "device", "pinned": False, "tags": sorted(pool.index.tags.get(b, ())),
             "preview": tok.decode(head),
         })
     rows.sort(key=lambda r: (-r["first_page_hits"], -r["hits"], r["last_hit_s_ago"]))
