@@ -2,7 +2,7 @@
 
 The /metrics handler builds an `EngineCollector` through `AsyncEngine.call`, so
 every number of one scrape comes from the same moment between two engine steps.
-Hit tokens carry a `tier` label (device, host, disk); the lower tiers add their
+Hit tokens carry a `tier` label (device, host, disk, remote); the lower tiers add their
 bytes, chunks, writes, evictions, corrupt values and health.
 """
 
