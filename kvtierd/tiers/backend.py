@@ -5,7 +5,7 @@ fleet's Redis each implement (`host_backend.py`, `disk_backend.py`, `remote_back
     load       load(span, skip, pages)      one chunk checked and copied into device pages (a transfer worker)
                fetch(span)                  one chunk's checked payload, for a prefetch to the host tier
                                             (disk and remote: `writer_backend.py`)
-    store      admit(hash, nbytes, drop)    held already, room to take it, or full (then counted dropped)
+    store      admit(hash, nbytes, drop)    held already, taken, full (then counted dropped), or off
                store(hash, identity, chunk) the chunk taken from device pages (`DeviceChunk`)
     delete     delete(hashes), invalidate() one chain's chunks; everything stored so far
     pin        pin(keys) / unpin(keys)      host and disk only (`PinnableBackend`)
