@@ -165,7 +165,7 @@ def test_a_store_in_flight_keeps_its_copy_while_its_pages_are_reused(loaded, mak
     engine = tiered(make_engine, host=False, disk=tmp_path, disk_admission="all")
     prompt = ask(tok, TOPICS[0])
     gate = threading.Event()
-    writer = engine.tiers._writer
+    writer = engine.tiers.disk_tier.writer
     writer.run(gate.wait)  # the disk writer is busy: every store of the eviction below waits in its queue
     push_out(engine, tok, prompt)  # its pages were evicted, demoted, and written over by the other prompts
     assert writer.num_pending >= 2 and writer.num_written == 0
@@ -190,12 +190,12 @@ def test_a_store_still_copying_keeps_its_pages_until_its_copy_is_made(loaded, ma
     assert held >= 8  # the finished turn's full pages, referenced by its store until their copy is made
     for topic in TOPICS[1:]:  # prompts that need pages: they get others, the held ones keep their KV
         run_one(engine, ask(tok, topic))
-    assert engine.kv.pool.num_used_blocks == held and engine.tiers._writer.num_written == 0
+    assert engine.kv.pool.num_used_blocks == held and engine.tiers.disk_tier.writer.num_written == 0
     assert all(p.resident for p in engine.session_view("s").pages[:held])
     gate.set()
     engine.tiers.wait()
     engine.kv.reap_loads()
-    assert engine.kv.pool.num_used_blocks == 0 and engine.tiers._writer.num_written >= 2
+    assert engine.kv.pool.num_used_blocks == 0 and engine.tiers.disk_tier.writer.num_written >= 2
     engine.close()
     # What the disk got is the turn's KV: a new engine on the same disk loads it and computes the same output.
     again = make_engine(kv_tokens=400, tiers=disk)

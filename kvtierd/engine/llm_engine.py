@@ -57,6 +57,11 @@ class EngineCounters:
     rejected: dict[str, int] = field(default_factory=lambda: dict.fromkeys(QOS_CLASSES, 0))  # per class: waited too long
     shed: int = 0  # low requests refused while a high one waited
 
+    @property
+    def device_tokens(self) -> int:
+        """Cached prompt tokens the device held: the others were loaded from the tiers below, remote included."""
+        return self.cached_tokens - self.host_tokens - self.disk_tokens - self.remote_tokens
+
 
 @dataclass(slots=True)
 class StepStats:

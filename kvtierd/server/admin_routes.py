@@ -118,7 +118,7 @@ def tiers_json(state: DaemonState, remote_usage: dict[bytes, OwnerUsage] | None 
     c = eng.counters
     page_bytes = eng.geometry.bytes_per_block
     idle_cached = len(pool.idle_cached_blocks())
-    device_hits = c.cached_tokens - c.host_tokens - c.disk_tokens - c.remote_tokens
+    device_hits = c.device_tokens
     return {"tiers": [{
         "name": "device",
         "capacity_bytes": pool.num_blocks * page_bytes,

@@ -2,7 +2,7 @@
 
 The /metrics handler builds an `EngineCollector` through `AsyncEngine.call`, so
 every number of one scrape comes from the same moment between two engine steps.
-Hit tokens carry a `tier` label (device, host, disk); the lower tiers add their
+Hit tokens carry a `tier` label (device, host, disk, remote); the lower tiers add their
 bytes, chunks, writes, evictions, corrupt values and health.
 """
 
@@ -49,9 +49,10 @@ def _families(eng: LLMEngine, server: ServerCounters, uptime_s: float) -> Iterat
     requests.add_metric(["loading"], len(eng.scheduler.loading))  # their prefix is on its way from below
     yield requests
     yield CounterMetricFamily("kvtierd_prompt_tokens", "Prompt tokens of the requests added.", c.prompt_tokens)
-    hits = CounterMetricFamily("kvtierd_cache_hit_tokens", "Prompt tokens served from the cache, by the tier "
-                               "they were found in (host and disk ones were loaded into the device).", labels=["tier"])
-    hits.add_metric([TIER], c.cached_tokens - c.host_tokens - c.disk_tokens - c.remote_tokens)
+    hits = CounterMetricFamily("kvtierd_cache_hit_tokens", "Prompt tokens served from the cache, by the tier they "
+                               "were found in (host, disk and remote ones were loaded into the device).",
+                               labels=["tier"])
+    hits.add_metric([TIER], c.device_tokens)
     hits.add_metric(["host"], c.host_tokens)
     hits.add_metric(["disk"], c.disk_tokens)
     hits.add_metric(["remote"], c.remote_tokens)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from kvtierd.storage.geometry import KVGeometry
 from kvtierd.storage.kv_frame import ChunkIdentity
+from kvtierd.tiers.tier import Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +50,7 @@ class ChunkSpan:
 
 @dataclass(frozen=True, slots=True)
 class FoundChunk:
-    tier: str  # "host" or "disk"
+    tier: Tier  # where the lookup found it
     span: ChunkSpan
 
 

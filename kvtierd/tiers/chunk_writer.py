@@ -101,9 +101,8 @@ class ChunkWriter:
             items = [(key, encode_frame(identity, kv.reshape(-1).view(torch.uint8).numpy(), codec=self.codec))
                      for key, identity, kv in chunks]
             owner = chunks[0][1].namespace  # one chunk per batch (`submit`): the stores keep who stored it
-            put = (lambda: self.store.put_many(items, cataloged=cataloged, owner=owner)) if self.tier == "disk" \
-                else (lambda: self.store.put_many(items, owner=owner))
-            stored = bool(self._guarded(put))
+            marks = {"cataloged": True} if cataloged else {}  # only the disk store is given cataloged chunks
+            stored = bool(self._guarded(lambda: self.store.put_many(items, owner=owner, **marks)))
         except Exception:  # a bug, not the disk: the executor would swallow it silently
             log.exception("writing %d chunk(s) to the %s KV tier failed", len(chunks), self.tier)
         finally:

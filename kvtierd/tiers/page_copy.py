@@ -21,20 +21,20 @@ from kvtierd.storage.device_pool import DeviceKVPool
 class PageCopier:
     def __init__(self, device: DeviceKVPool) -> None:
         self._device = device
-        self._geometry = device.geometry
+        self.geometry = device.geometry
 
     def shape(self, num_pages: int) -> tuple[int, ...]:
-        g = self._geometry
+        g = self.geometry
         return (g.num_layers, 2, num_pages, g.block_size, g.num_kv_heads, g.head_dim)
 
     def byte_shape(self, num_pages: int) -> tuple[int, ...]:
         """`shape` of the same KV seen as bytes: a payload at any offset in a buffer can be viewed so."""
         *outer, head_dim = self.shape(num_pages)
-        return (*outer, head_dim * self._geometry.dtype.itemsize)
+        return (*outer, head_dim * self.geometry.dtype.itemsize)
 
     def gather(self, block_ids: Sequence[int]) -> torch.Tensor:
         """The pages' K and V in chunk layout, copied to CPU memory."""
-        out = torch.empty(self.shape(len(block_ids)), dtype=self._geometry.dtype)
+        out = torch.empty(self.shape(len(block_ids)), dtype=self.geometry.dtype)
         self.gather_into(out, block_ids)
         return out
 

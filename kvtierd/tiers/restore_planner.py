@@ -30,6 +30,8 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from kvtierd.tiers.tier import Tier
+
 HALF_LIFE_LOADS = 32.0  # a tier's fit follows its last few dozen loads: the machine's load changes
 REFERENCE_TOKENS = 1024  # the recompute whose speed /metrics shows
 
@@ -39,7 +41,7 @@ RecomputeCost = Callable[[int], "float | None"]
 
 @dataclass(frozen=True, slots=True)
 class ChunkCost:
-    tier: str  # where the chunk is: "host", "disk" or "remote"
+    tier: Tier  # where the chunk is
     nbytes: int  # KV bytes a load would copy to the device
     tokens: int  # prompt tokens it holds (what a recompute would compute)
 
@@ -107,17 +109,17 @@ class LoadCostFit:
 class RestorePlanner:
     def __init__(self, recompute_cost: RecomputeCost | None = None) -> None:
         self._lock = threading.Lock()  # loads are reported from transfer workers, costs read by /metrics
-        self._loads: dict[str, LoadCostFit] = {}
+        self._loads: dict[Tier, LoadCostFit] = {}
         self.recompute_cost = recompute_cost  # set by the engine (its step-cost fit); None: unknown
         self.decisions: Counter[str] = Counter()  # decision -> requests
 
-    def observe_load(self, tier: str, nbytes: int, seconds: float) -> None:
+    def observe_load(self, tier: Tier, nbytes: int, seconds: float) -> None:
         if nbytes <= 0 or seconds <= 0:
             return
         with self._lock:
             self._loads.setdefault(tier, LoadCostFit()).observe(nbytes, seconds)
 
-    def load_costs(self) -> dict[str, LoadCost]:
+    def load_costs(self) -> dict[Tier, LoadCost]:
         """Each measured tier's fitted load cost."""
         with self._lock:
             costs = {tier: fit.current() for tier, fit in self._loads.items()}
@@ -146,7 +148,7 @@ class RestorePlanner:
             self.decisions[plan.decision] += 1
         return plan
 
-    def rates(self) -> tuple[dict[str, float], float | None]:
+    def rates(self) -> tuple[dict[Tier, float], float | None]:
         """(bytes/s per tier for a large load, prefill tokens/s of a REFERENCE_TOKENS recompute), for /metrics."""
         bandwidth = {tier: 1.0 / c.byte_s if c.byte_s > 0 else float("inf") for tier, c in self.load_costs().items()}
         seconds = self.recompute_s(REFERENCE_TOKENS)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvtierd.storage.chunk_store import StoreStats
 from kvtierd.storage.host_store import HostStore
 from kvtierd.tiers.chunk_writer import ChunkWriter
+from kvtierd.tiers.tier import Tier
 
 
 @dataclass(frozen=True, slots=True)
@@ -29,7 +30,7 @@ class TierCounts:
 
 @dataclass(frozen=True, slots=True)
 class TierStats:
-    name: str  # "host", "disk" or "remote"
+    name: Tier
     enabled: bool  # the store is there (not turned off, and it opened)
     healthy: bool
     reason: str | None  # why it is off or unhealthy
@@ -50,11 +51,11 @@ class TierStats:
 
 def host_stats(host: HostStore, c: TierCounts) -> TierStats:
     s = host.stats()
-    return TierStats("host", True, s.healthy, s.reason, s.capacity_bytes, s.bytes_used, s.num_entries,
+    return TierStats(Tier.HOST, True, s.healthy, s.reason, s.capacity_bytes, s.bytes_used, s.num_entries,
                      c.hits, c.hit_tokens, c.writes, 0, 0, s.num_evictions, c.corrupt, s.pinned, codec="raw")
 
 
-def writer_stats(name: str, s: StoreStats, w: ChunkWriter, c: TierCounts, unhealthy: str | None = None) -> TierStats:
+def writer_stats(name: Tier, s: StoreStats, w: ChunkWriter, c: TierCounts, unhealthy: str | None = None) -> TierStats:
     """A tier written by a writer thread (disk, remote); `unhealthy` says why it is not usable when the
     store itself is fine."""
     healthy = s.healthy and w.failure is None and unhealthy is None
@@ -63,5 +64,5 @@ def writer_stats(name: str, s: StoreStats, w: ChunkWriter, c: TierCounts, unheal
                      s.num_evictions, s.num_corrupt, False, c.prefetched, w.codec)
 
 
-def off_stats(name: str, reason: str | None, c: TierCounts) -> TierStats:
+def off_stats(name: Tier, reason: str | None, c: TierCounts) -> TierStats:
     return TierStats(name, False, False, reason, 0, 0, 0, c.hits, c.hit_tokens, c.writes, 0, 0, 0, c.corrupt, False)

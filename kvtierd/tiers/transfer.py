@@ -34,6 +34,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from kvtierd.tiers.chunk import FoundChunk
+from kvtierd.tiers.tier import Tier
 
 TRANSFER_WORKERS = 2  # two loads of different chunks run side by side: one request never waits behind another's
 LOOKUP_WORKERS = 2  # lookups of two requests run side by side: one stuck on a dead Redis does not hold the other
@@ -47,7 +48,7 @@ class ChunkLoad:
     skip: int  # pages of the chunk the device already had: not loaded
     block_ids: tuple[int, ...]  # the device pages it fills (held for it until it ends)
     high: bool  # the class the pages were taken for (they are released for it)
-    future: Future  # its result: the tier it counts for, or None (gone from its tier, or a failed check)
+    future: Future  # its result: the Tier it counts for, or None (gone from its tier, or a failed check)
     waiters: set[str] = field(default_factory=set)
 
     @property
@@ -58,7 +59,7 @@ class ChunkLoad:
     def done(self) -> bool:
         return self.future.done()
 
-    def tier(self) -> str | None:
+    def tier(self) -> Tier | None:
         """What a finished load returned: its tier, or None when it failed or was cancelled."""
         try:
             return self.future.result(timeout=0)
@@ -104,7 +105,7 @@ class TransferStats:
 class TransferQueue:
     """The loads in flight and the worker threads that run them."""
 
-    def __init__(self, load: Callable[[FoundChunk, int, Sequence[int]], str | None], bytes_per_page: int,
+    def __init__(self, load: Callable[[FoundChunk, int, Sequence[int]], Tier | None], bytes_per_page: int,
                  stats: TransferStats, workers: int = TRANSFER_WORKERS) -> None:
         self._load = load
         self._bytes_per_page = bytes_per_page
@@ -189,7 +190,7 @@ class TransferQueue:
         self._lookup_pool.shutdown(wait=True, cancel_futures=True)
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _run(self, load: ChunkLoad) -> str | None:
+    def _run(self, load: ChunkLoad) -> Tier | None:
         t0 = time.perf_counter()
         tier = self._load(load.found, load.skip, load.block_ids)
         if tier is not None:

@@ -1,0 +1,77 @@
+"""The remote tier: the fleet's Redis or Valkey (`storage/redis_store.py`), frames in the fleet's codec, sealed
+and sent by its writer thread, read on the caller's thread (every call bounded by the store's timeout and
+circuit breaker).
+
+Its keys mix in the fleet's epoch (`fleet_epoch.py`), kept in Redis, instead of the local one: an
+invalidation on one host reaches the others. While that epoch is unknown the tier names nothing and is not
+used. The epoch also remembers what this host stored or found, so a chunk goes to the fleet once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvtierd.storage.codecs import Buffer
+from kvtierd.storage.kv_frame import ChunkIdentity
+from kvtierd.storage.redis_store import RedisStore
+from kvtierd.tiers.chunk import ChunkSpan
+from kvtierd.tiers.device_chunk import DeviceChunk
+from kvtierd.tiers.fleet_epoch import FleetEpoch
+from kvtierd.tiers.frame_pages import scatter_payload
+from kvtierd.tiers.page_copy import PageCopier
+from kvtierd.tiers.tier import Tier
+from kvtierd.tiers.tier_stats import TierCounts, TierStats
+from kvtierd.tiers.transfer import TransferStats
+from kvtierd.tiers.writer_backend import WriterBackend
+
+
+class RemoteBackend(WriterBackend):
+    tier = Tier.REMOTE
+
+    def __init__(self, store: RedisStore, codec: str, max_pending_bytes: int, pages: PageCopier,
+                 counts: TierCounts, transfer_stats: TransferStats) -> None:
+        super().__init__(store, codec, max_pending_bytes, pages, counts, transfer_stats)
+        self.fleet_epoch = FleetEpoch(store)
+
+    def usable(self) -> bool:
+        """The fleet's epoch is known (read again every FLEET_EPOCH_REFRESH_S: may take a round trip)."""
+        return self.fleet_epoch.refresh() is not None
+
+    def key(self, block_hash: bytes) -> bytes | None:
+        return self.fleet_epoch.key(block_hash) if self.fleet_epoch.value is not None else None
+
+    def contains(self, block_hashes: Sequence[bytes]) -> int:
+        return self.storage.contains_prefix([self.fleet_epoch.key(h) for h in block_hashes])
+
+    def _holds(self, key: bytes) -> bool:
+        return self.fleet_epoch.knows(key)
+
+    def _get(self, key: bytes) -> Buffer | None:
+        return self.storage.get_many([key])[0]
+
+    def _found(self, key: bytes) -> None:
+        self.fleet_epoch.remember(key)  # the fleet has it: no need to send it back
+
+    def _forget(self, keys: Sequence[bytes]) -> None:
+        self.fleet_epoch.forget(keys)
+
+    def store(self, block_hash: bytes, identity: ChunkIdentity, chunk: DeviceChunk, cataloged: bool = False) -> None:
+        super().store(block_hash, identity, chunk)  # the SQL catalog names disk values only
+
+    def load(self, span: ChunkSpan, skip: int, block_ids: Sequence[int]) -> bool:
+        payload = self.fetch(span)
+        if payload is None:
+            return False
+        scatter_payload(self._pages, payload, span.num_pages, skip, block_ids)
+        return True
+
+    def invalidate(self) -> None:
+        self.fleet_epoch.bump()  # one INCR, bounded by the store's timeout
+
+    def stats(self) -> TierStats:
+        unknown = self.fleet_epoch.value is None
+        return super().stats("the fleet's epoch could not be read yet" if unknown else None)
+
+    def close(self) -> None:
+        self.writer.close()
+        self.storage.close()
