@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from kvtierd.engine.sampling_params import SamplingParams
 from kvtierd.server.engine_metrics import EngineCollector
 from kvtierd.server.state import ServerCounters
@@ -26,5 +28,6 @@ def test_a_prefilled_request_shows_its_pages_and_the_unused_slots_of_its_last_pa
     assert (m[("kvtierd_requests_total", ())], m[("kvtierd_prompt_tokens_total", ())]) == (1, 6)
     assert m[("kvtierd_generated_tokens_total", ())] == 1
     assert m[("kvtierd_engine_last_step_tokens", ())] == 6
+    assert m[("kvtierd_engine_last_step_threads", ())] == torch.get_num_threads()  # no tiers: every thread
     assert m[("kvtierd_http_errors_total", (("status_class", "4xx"),))] == 3
     assert m[("kvtierd_uptime_seconds", ())] == 5.0

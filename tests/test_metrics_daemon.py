@@ -47,6 +47,7 @@ FAMILIES = {  # name (as the parser gives it: a counter without _total) -> type
     "kvtierd_compacted_pages": "counter",
     "kvtierd_engine_last_step_seconds": "gauge",
     "kvtierd_engine_last_step_tokens": "gauge",
+    "kvtierd_engine_last_step_threads": "gauge",
     "kvtierd_ttft_seconds": "histogram",
     "kvtierd_inter_token_latency_seconds": "histogram",
     "kvtierd_queue_time_seconds": "histogram",

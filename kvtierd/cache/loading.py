@@ -225,11 +225,14 @@ class Loading:
             self._pool.release(load.block_ids, load.high)
 
     def wait(self, timeout_s: float) -> None:
-        """Blocks until a load finishes, at most until the nearest deadline or `timeout_s`."""
+        """Blocks until a ticket has something to collect (its lookup answered, its loads all landed), at most
+        until the nearest deadline or `timeout_s`. Tickets waiting for pages have nothing to collect: with
+        nothing running, no pages free up, and the engine sleeps between looks rather than spinning."""
         deadlines = [t.deadline for t in self._tickets.values() if t.deadline is not None]
         if deadlines:
             timeout_s = max(0.0, min(timeout_s, min(deadlines) - self._clock()))
-        self._transfers.wait(timeout_s)
+        tickets = list(self._tickets.values())
+        self._transfers.wait(timeout_s, lambda: any(_collectable(t) for t in tickets))
 
     def _index(self, load: ChunkLoad, blocks: list[int], hashes: list[bytes]) -> bool:
         """Indexes a loaded chunk's pages after the chain `blocks`, extending it; False when one could not be
@@ -272,3 +275,10 @@ def _found(lookup: Future) -> list[FoundChunk]:
     except Exception:  # the worker would swallow it; a failed lookup only costs a recompute
         log.exception("looking up KV chunks below the device failed")
         return []
+
+
+def _collectable(t: LoadTicket) -> bool:
+    """Whether `ready` would have news for it now: its lookup answered, or every load it needs landed."""
+    if t.lookup is not None:
+        return t.lookup.done()
+    return not t.unstarted and all(load.done for load in t.loads)

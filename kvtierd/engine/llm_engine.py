@@ -32,10 +32,12 @@ from kvtierd.engine.sampling_params import SamplingParams
 PUBLIC_NAMESPACE = "<public>"
 from kvtierd.engine.scheduler import Scheduler, StepPlan
 from kvtierd.engine.step_cost import StepCostModel
+from kvtierd.engine.step_threads import StepThreads
 from kvtierd.model.detokenizer import IncrementalDetokenizer
 from kvtierd.model.loader import LoadedModel
 from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.geometry import KVGeometry
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.tier_manager import TierManager
 from kvtierd.tiers.tier_stats import TierStats
 
@@ -69,6 +71,7 @@ class StepStats:
     num_seqs: int
     forward_s: float  # model forward + logits
     total_s: float  # the whole step, scheduling and sampling included
+    threads: int  # torch's threads it computed with (one fewer while the tiers' background work ran)
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +120,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_prefix_caching, config.qos, self.step_cost)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
+        self.step_threads = StepThreads(lambda: BACKGROUND_WORK.busy)  # a core left to loads and stores
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         self.counters = EngineCounters()
@@ -297,13 +301,14 @@ class LLMEngine:
             if self.scheduler.loading:  # nothing to compute until a load arrives: wait for one, not spin
                 self.kv.wait_for_loads()
             return rejected
+        threads = self.step_threads.before_step()
         t1 = time.perf_counter()
         sample_idx, logits = self.runner.execute(plan)
         t2 = time.perf_counter()
         outputs = rejected + self._advance(plan, sample_idx, logits)
         t3 = time.perf_counter()
         self.step_cost.observe(plan.shape, t3 - t0)
-        self.last_step = StepStats(plan.num_tokens, len(plan.scheduled), t2 - t1, t3 - t0)
+        self.last_step = StepStats(plan.num_tokens, len(plan.scheduled), t2 - t1, t3 - t0, threads)
         return outputs
 
     def _recompute_s(self, tokens: int) -> float:

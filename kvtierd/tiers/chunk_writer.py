@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -22,6 +22,7 @@ from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.redis_store import RedisStore
 from kvtierd.storage.kv_frame import ChunkIdentity, encode_frame
 from kvtierd.storage.store_errors import StoreUnavailableError
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.transfer import TransferStats
 
 log = logging.getLogger(__name__)
@@ -35,7 +36,7 @@ class ChunkWriter:
         self.store = store
         self.codec = codec
         self.max_pending_bytes = max_pending_bytes
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"kvtierd-{tier}")
+        self._pool = BACKGROUND_WORK.pool(1, f"kvtierd-{tier}")
         self._lock = threading.Lock()
         self._pending: dict[bytes, int] = {}  # key -> bytes of its copy, until committed
         self._pending_bytes = 0

@@ -15,10 +15,11 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.chunk import FoundChunk
 from kvtierd.tiers.disk_backend import DiskBackend
 from kvtierd.tiers.host_backend import HostBackend
@@ -40,7 +41,7 @@ class Prefetcher:
         self._below = below  # the tiers it copies from
         self._counts = counts
         self._lookup = lookup
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtierd-prefetch")
+        self._pool = BACKGROUND_WORK.pool(1, "kvtierd-prefetch")
         self._lock = threading.Lock()
         self._prefetching: dict[bytes, Future] = {}  # host key -> its copy up, until done
         # host key -> the tier a prefetch copied it from, until a load uses it: that load counts for that tier

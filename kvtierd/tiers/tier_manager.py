@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.host_store import HostStore
 from kvtierd.storage.redis_store import RedisStore
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.backend import Admission, PinnableBackend, TierBackend
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, FoundChunk
 from kvtierd.tiers.config import TierConfig
@@ -82,7 +83,7 @@ class TierManager:
         # Loads run here, off the engine's step: the cache manager submits them and collects them between steps.
         self.transfers = TransferQueue(self.load, self.bytes_per_page, self.transfer_stats)
         # Stores' copies out of the device, off the step: one thread, in submission order.
-        self._store_copier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtierd-store-copy")
+        self._store_copier = BACKGROUND_WORK.pool(1, "kvtierd-store-copy")
 
     # The tiers' stores, for reports and per-tenant shares (None: the tier is off).
     @property

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.chunk import FoundChunk
 from kvtierd.tiers.tier import Tier
 
@@ -110,7 +111,7 @@ class TransferQueue:
         self._load = load
         self._bytes_per_page = bytes_per_page
         self.num_workers = workers
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="kvtierd-transfer")
+        self._pool = BACKGROUND_WORK.pool(workers, "kvtierd-transfer")
         self._lookup_pool = ThreadPoolExecutor(max_workers=LOOKUP_WORKERS, thread_name_prefix="kvtierd-lookup")
         self._lookups = 0  # lookups not finished yet (under `_finished`)
         self._in_flight: dict[tuple[bytes, int], ChunkLoad] = {}  # loads with waiters, until they leave
@@ -180,11 +181,11 @@ class TransferQueue:
         """Runs `fn` on a transfer worker (a barrier behind the loads queued before it)."""
         return self._pool.submit(fn)
 
-    def wait(self, timeout_s: float) -> None:
-        """Blocks until a load or lookup finishes or `timeout_s` passes (the engine, with nothing to compute)."""
+    def wait(self, timeout_s: float, ready: Callable[[], bool]) -> None:
+        """Blocks until `ready()` (checked first, and as each load or lookup finishes) or `timeout_s` passes:
+        the engine, with nothing to compute but its waiters."""
         with self._finished:
-            if self._lookups or any(not load.done for load in self._in_flight.values()):
-                self._finished.wait(timeout_s)
+            self._finished.wait_for(ready, timeout_s)
 
     def close(self) -> None:
         self._lookup_pool.shutdown(wait=True, cancel_futures=True)

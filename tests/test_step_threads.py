@@ -1,0 +1,43 @@
+"""A step leaves the tiers' background work a core while it is pending, and takes every thread back after."""
+
+import threading
+
+import torch
+
+from kvtierd.engine.step_threads import StepThreads
+from kvtierd.tiers.background_work import BackgroundWork
+
+
+def test_background_work_counts_each_task_from_submission_to_its_end():
+    work = BackgroundWork()
+    pool = work.pool(1, "test-bg")
+    release = threading.Event()
+    try:
+        assert not work.busy
+        running = pool.submit(release.wait)
+        queued = pool.submit(lambda: None)  # behind the first: pending, not running
+        cancelled = pool.submit(lambda: None)
+        assert cancelled.cancel()
+        assert work.busy
+        release.set()
+        running.result()
+        queued.result()
+        assert not work.busy
+    finally:
+        release.set()
+        pool.shutdown(wait=True)
+
+
+def test_a_step_leaves_one_thread_to_pending_background_work():
+    before = torch.get_num_threads()
+    pending = [False]
+    threads = StepThreads(lambda: pending[0], num_threads=4)
+    try:
+        assert threads.before_step() == 4 and torch.get_num_threads() == 4
+        pending[0] = True
+        assert threads.before_step() == 3 and torch.get_num_threads() == 3
+        pending[0] = False
+        assert threads.before_step() == 4 and torch.get_num_threads() == 4
+        assert StepThreads(lambda: True, num_threads=1).before_step() == 1  # never below one
+    finally:
+        torch.set_num_threads(before)
