@@ -10,24 +10,28 @@ from kvtierd.tiers.transfer import TransferQueue, TransferStats
 def test_the_wait_sleeps_until_a_finished_lookup_makes_a_waiter_ready():
     queue = TransferQueue(lambda *_: None, 1, TransferStats())
     ready: list[int] = []
-    waiter = threading.Thread(target=queue.wait, args=(60.0, lambda: bool(ready)), daemon=True)
+    woke_ready: list[bool] = []  # whether a waiter was ready when the wait returned
+
+    def wait() -> None:
+        queue.wait(60.0, lambda: bool(ready))
+        woke_ready.append(bool(ready))
+
+    waiter = threading.Thread(target=wait, daemon=True)
+    gate = threading.Event()
+
+    def lookup() -> list:
+        gate.wait()
+        ready.append(1)
+        return []
+
     try:
-        waiter.start()
-        waiter.join(0.2)
-        assert waiter.is_alive()  # nothing in flight and nobody ready: it sleeps (it used to return at once)
-        gate = threading.Event()
-
-        def lookup() -> list:
-            gate.wait()
-            ready.append(1)
-            return []
-
+        waiter.start()  # nothing in flight and nobody ready: it sleeps (it used to return at once)
         queue.look_up(lookup)
         gate.set()
-        waiter.join(30.0)
-        assert not waiter.is_alive()  # woken by the lookup's end, and its waiter is ready
+        waiter.join(60.0)
+        assert woke_ready == [True]  # woken by the lookup's end, with its waiter ready
     finally:
-        ready.append(1)
+        gate.set()
         queue.close()
 
 

@@ -4,12 +4,11 @@ A step's matrix products and attention run on torch's intra-op threads, one
 per core, and each parallel region waits for its slowest thread. The tiers'
 workers (loads, stores, prefetches: tiers/background_work.py) run on threads
 of their own. When both want every core, a step's thread that loses its core
-for a time slice stalls the whole region: measured on 2 cores (int4, three
-streams decoding, a zstd + hash worker beside them), 2 threads took 104 ms a
-step at the median and 340 ms at p95, against 63 and 73 ms with 1 thread,
-and 43 and 51 ms with 2 threads and nothing beside them. So while background
-work is pending, a step leaves it one core; steps go back to every thread
-when it is done.
+for a time slice stalls the whole region: in a probe on 2 cores, a zstd +
+hash worker beside three decoding streams raised the steps' p95 several-fold
+at 2 threads, while at 1 thread it stayed near its own pace. So while
+background work is pending, a step leaves it one core; steps go back to every
+thread when it is done.
 
 OpenMP keeps the thread count per calling thread: `before_step` is called on
 the thread that runs the step.
