@@ -1,4 +1,5 @@
-"""Which attention implementation a model uses: CUDA kernels where they can run, the torch reference elsewhere."""
+"""Which attention implementation a model uses: CUDA kernels where they can run; on CPUs, the C decode kernel in
+the 16-bit modes where a C compiler is found; the torch reference elsewhere (and always in float32, the exact mode)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ from typing import Any
 
 import torch
 
-from kvtierd.kernels import reference
+from kvtierd.kernels import cpu_backend, reference
+from kvtierd.kernels.cpu_decode import cpu_decode_kernel
 from kvtierd.kernels.paged_batch import PagedBatch
 
 
@@ -24,11 +26,17 @@ REFERENCE = AttentionBackend("torch-reference", reference.ReferencePlan.build, r
                              reference.paged_attention)
 
 
-def select_backend(device: torch.device) -> AttentionBackend:
+def select_backend(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> AttentionBackend:
+    """For activations of `dtype` over a KV cache of `kv_dtype`."""
     if device.type == "cuda":
         from kvtierd.kernels import cuda_backend  # imports CuPy lazily; optional extra
 
         if cuda_backend.cuda_kernels_available():
             return AttentionBackend("cuda-cupy", cuda_backend.CudaPlan.build, cuda_backend.write_kv,
                                     cuda_backend.paged_attention)
+    elif dtype == kv_dtype == torch.bfloat16:
+        kernel = cpu_decode_kernel(head_dim)
+        if kernel is not None:
+            return AttentionBackend("cpu-c-decode", cpu_backend.build_plan, reference.write_kv,
+                                    cpu_backend.attention(kernel))
     return REFERENCE

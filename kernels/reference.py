@@ -59,9 +59,10 @@ class ReferencePlan:
     grouped_masks: dict[int, torch.Tensor]
 
     @classmethod
-    def build(cls, batch: PagedBatch) -> "ReferencePlan":
+    def build(cls, batch: PagedBatch, group_decodes: bool = True) -> "ReferencePlan":
+        """`group_decodes=False`: the decodes are attended elsewhere (the CPU kernel), only the prefills here."""
         nd = batch.num_decodes
-        groups = _decode_groups(batch.context_lens_host[:nd])
+        groups = _decode_groups(batch.context_lens_host[:nd]) if group_decodes else []
         decode_groups = [_decode_group(batch, None if len(groups) == 1 else rows) for rows in groups]
         bs = batch.block_size
         prefills = range(nd, batch.num_seqs)
@@ -139,27 +140,38 @@ def paged_attention(
     Query token j of a sequence with q_len new tokens and context_len cached
     tokens sits at position context_len - q_len + j and sees positions <= its own.
     """
-    batch = plan.batch
-    num_tokens, num_heads, head_dim = q.shape
-    kv_heads = k_cache.shape[2]
-    group = num_heads // kv_heads
+    nd = plan.batch.num_decodes
+    if len(plan.decode_groups) == 1 and nd == q.shape[0]:
+        return _attend_group(plan.decode_groups[0], q, k_cache, v_cache, scale)  # decodes only: no copy into out
     out = q.new_empty(q.shape)
-
-    nd = batch.num_decodes
     for g in plan.decode_groups:
-        # One query per sequence: one padded attention call over the group's gathered pages. (Grouping
-        # the query heads, as prefills do, measured slower for a single query: 0.3-0.8x.)
-        qd = (q[:nd] if g.rows is None else q.index_select(0, g.rows)).unsqueeze(2)  # [n, heads, 1, head_dim]
-        kd = _gather(k_cache, g.blocks, g.ctx, q.dtype).transpose(1, 2)  # [n, kv_heads, ctx, head_dim]
-        vd = _gather(v_cache, g.blocks, g.ctx, q.dtype).transpose(1, 2)
-        od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True).squeeze(2)
-        if g.rows is None and nd == num_tokens:
-            return od
+        od = _attend_group(g, q[:nd], k_cache, v_cache, scale)
         if g.rows is None:
             out[:nd] = od
         else:
             out.index_copy_(0, g.rows, od)
+    attend_prefills(plan, q, k_cache, v_cache, scale, out)
+    return out
 
+
+def _attend_group(g: DecodeGroup, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """One query per sequence: one padded attention call over the group's gathered pages. (Grouping the
+    query heads, as prefills do, measured slower for a single query: 0.3-0.8x.)"""
+    qd = (q if g.rows is None else q.index_select(0, g.rows)).unsqueeze(2)  # [n, heads, 1, head_dim]
+    kd = _gather(k_cache, g.blocks, g.ctx, q.dtype).transpose(1, 2)  # [n, kv_heads, ctx, head_dim]
+    vd = _gather(v_cache, g.blocks, g.ctx, q.dtype).transpose(1, 2)
+    return F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask, scale=scale, enable_gqa=True).squeeze(2)
+
+
+def attend_prefills(plan: ReferencePlan, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    scale: float, out: torch.Tensor) -> None:
+    """The prefill sequences' rows of `out` (those after the decodes)."""
+    batch = plan.batch
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[2]
+    group = num_heads // kv_heads
+    nd = batch.num_decodes
     start = nd  # decodes hold exactly one token each
     for i, (blocks, mask) in enumerate(zip(plan.prefill_blocks, plan.prefill_masks, strict=True), start=nd):
         q_len, ctx = batch.query_lens_host[i], batch.context_lens_host[i]
@@ -177,4 +189,3 @@ def paged_attention(
                 q_len, num_heads, head_dim)
         start += q_len
     assert start == num_tokens, "query_start_loc disagrees with q"
-    return out

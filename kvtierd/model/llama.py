@@ -82,7 +82,7 @@ class LlamaModel:
         self.kv_dtype = kv_dtype
         self.quantized_max_tokens = QUANTIZED_MAX_TOKENS
         self.rope = RotaryEmbedding(config, device, self.dtype)
-        self.attention = select_backend(device)
+        self.attention = select_backend(device, self.dtype, kv_dtype, config.head_dim)
         self.scale = config.head_dim**-0.5
         self._q_size = config.num_heads * config.head_dim
         self._kv_size = config.num_kv_heads * config.head_dim

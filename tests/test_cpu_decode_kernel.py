@@ -1,0 +1,90 @@
+"""The CPU decode kernel (C, built on first use) against attention written out in float64, and against the
+torch reference on the same batch: decodes of very different contexts beside a prefill chunk."""
+
+import shutil
+
+import pytest
+import torch
+
+from kvtierd.kernels import cpu_backend, reference
+from kvtierd.kernels.backend import select_backend
+from kvtierd.kernels.cpu_decode import cpu_decode_kernel
+from kvtierd.kernels.paged_batch import PagedBatch
+
+BLOCK, KV_HEADS, HEADS = 16, 3, 9
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _compiler():
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler: the model keeps the torch path (checked by test_the_backend_*)")
+
+
+def _batch(context_lens, query_lens, num_decodes, gen, num_pages=600):
+    pages = torch.randperm(num_pages, generator=gen).tolist()
+    tables, used = [], 0
+    for ctx in context_lens:
+        n = -(-ctx // BLOCK)
+        tables.append(pages[used : used + n])
+        used += n
+    slots = [tables[i][(ctx - query_lens[i] + j) // BLOCK] * BLOCK + (ctx - query_lens[i] + j) % BLOCK
+             for i, ctx in enumerate(context_lens) for j in range(query_lens[i])]
+    return PagedBatch.build(BLOCK, num_decodes, query_lens, context_lens, tables, slots, torch.device("cpu")), tables
+
+
+def _naive_decode(q, k, v, scale):
+    """`q [heads, dim]` over `k, v [ctx, kv_heads, dim]`, float64."""
+    group = q.shape[0] // k.shape[1]
+    k = k.double().repeat_interleave(group, dim=1)
+    v = v.double().repeat_interleave(group, dim=1)
+    probs = (torch.einsum("hd,khd->hk", q.double(), k) * scale).softmax(-1)
+    return torch.einsum("hk,khd->hd", probs, v)
+
+
+@pytest.mark.parametrize("dim, threads", [(64, 1), (64, 2), (128, 2)])
+def test_decodes_attend_as_written_out(dim, threads):
+    gen = torch.Generator().manual_seed(dim + threads)
+    k_cache = torch.randn(600, BLOCK, KV_HEADS, dim, generator=gen).bfloat16()
+    v_cache = torch.randn(600, BLOCK, KV_HEADS, dim, generator=gen).bfloat16()
+    context_lens = [40, 2100, 1, 1000, 17, 3000]  # one long row holds most tokens: the split is by tokens
+    batch, tables = _batch(context_lens, [1] * 6, 6, gen)
+    qkv = torch.randn(6, HEADS + 2 * KV_HEADS, dim, generator=gen).bfloat16()
+    q = qkv[:, :HEADS]  # strided rows, as the model hands them over
+    out = torch.empty(6, HEADS, dim, dtype=torch.bfloat16)
+    scale = dim**-0.5
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        cpu_decode_kernel(dim).decode(out, q, k_cache, v_cache, batch.block_tables, batch.context_lens,
+                                      context_lens, scale)
+    finally:
+        torch.set_num_threads(before)
+    for i, ctx in enumerate(context_lens):
+        ids = torch.tensor(tables[i])
+        k = k_cache[ids].reshape(-1, KV_HEADS, dim)[:ctx]
+        v = v_cache[ids].reshape(-1, KV_HEADS, dim)[:ctx]
+        expected = _naive_decode(q[i], k, v, scale)
+        # float32 arithmetic, one rounding to bfloat16 at the end: within half a bfloat16 step of the exact value
+        assert torch.allclose(out[i].double(), expected, atol=2e-3, rtol=2**-8), f"sequence {i}"
+
+
+def test_a_mixed_step_matches_the_torch_reference_and_the_backend_is_chosen_for_16_bit_kv():
+    gen = torch.Generator().manual_seed(1)
+    k_cache = torch.randn(600, BLOCK, KV_HEADS, 64, generator=gen).bfloat16()
+    v_cache = torch.randn(600, BLOCK, KV_HEADS, 64, generator=gen).bfloat16()
+    context_lens, query_lens = [40, 1000, 45, 130, 64], [1, 1, 1, 30, 64]
+    batch, _ = _batch(context_lens, query_lens, 3, gen)
+    q = torch.randn(sum(query_lens), HEADS, 64, generator=gen).bfloat16()
+    backend = select_backend(torch.device("cpu"), torch.bfloat16, torch.bfloat16, 64)
+    assert backend.name == "cpu-c-decode"
+    out = backend.paged_attention(backend.build_plan(batch), q, k_cache, v_cache, 0.125)
+    expected = reference.paged_attention(reference.ReferencePlan.build(batch), q, k_cache, v_cache, 0.125)
+    assert torch.allclose(out[:3].float(), expected[:3].float(), atol=1e-2)  # each rounded to bfloat16 once
+    assert torch.equal(out[3:], expected[3:])  # prefills: the reference's own path
+    assert cpu_backend.build_plan(batch).decode_groups == []
+
+
+def test_float32_keeps_the_exact_torch_path():
+    assert select_backend(torch.device("cpu"), torch.float32, torch.float32, 64).name == "torch-reference"
+    assert select_backend(torch.device("cpu"), torch.bfloat16, torch.float32, 64).name == "torch-reference"
+    assert select_backend(torch.device("cpu"), torch.bfloat16, torch.bfloat16, 80).name == "torch-reference"
