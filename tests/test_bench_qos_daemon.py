@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvtierd.bench.qos_bench import QosWorkload, machine_line, run_qos_bench
+from kvtierd.bench.qos_bench import QosWorkload, run_qos_bench
+from kvtierd.bench.report import machine
 from kvtierd.bench.serve_bench import ServeBenchError
 
 
@@ -15,7 +16,7 @@ def test_unknown_runs_are_refused_before_a_daemon_starts():
 
 
 def test_the_machine_line_names_the_cpu_and_torch():
-    m = machine_line()
+    m = machine()
     assert m["cpu"] and m["cores"] >= 1 and m["torch"] and m["torch_threads"] >= 1 and isinstance(m["isa"], list)
 
 

@@ -31,18 +31,15 @@ budget (QoS off: the step budget off).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
-import os
-import platform
 import random
 import time
 from dataclasses import asdict, dataclass, field
 
 import httpx
-import torch
 
+from kvtierd.bench.report import machine
 from kvtierd.bench.serve_bench import ServeBenchError, async_client, percentile, started_daemon
 
 TARGET_TTFT_P95_X = 3.0  # high TTFT p95 under the flood, at most this many times the unloaded p95
@@ -82,22 +79,6 @@ class RunLog:
     timings: list[Timing] = field(default_factory=list)
     chunk_times: list[float] = field(default_factory=list)  # when each text chunk came, of every request
     errors: int = 0
-
-
-def machine_line() -> dict:
-    """CPU model, cores, the ISA flags that matter to torch's CPU kernels, torch and its threads."""
-    model, flags = platform.processor() or platform.machine(), set()
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    isa = [f for f in ("avx2", "fma", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16") if f in flags]
-    return {"cpu": model, "cores": os.cpu_count(), "isa": isa, "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
 def _prompt(rng: random.Random, n: int) -> list[int]:
@@ -220,7 +201,7 @@ def run_qos_bench(w: QosWorkload, runs: tuple[str, ...] = DEFAULT_RUNS) -> dict:
             for name in names:
                 results.append(asyncio.run(run_scenario(socket, w, name, flood=name != "unloaded",
                                                         classes=name != "no qos")))
-    return {"workload": asdict(w), "machine": machine_line(), "runs": results, **_verdict(results)}
+    return {"workload": asdict(w), "machine": machine(), "runs": results, **_verdict(results)}
 
 
 def _verdict(results: list[dict]) -> dict:

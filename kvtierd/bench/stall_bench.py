@@ -49,7 +49,8 @@ from pathlib import Path
 import httpx
 import redis
 
-from kvtierd.bench.qos_bench import VOCAB_SPAN, machine_line
+from kvtierd.bench.qos_bench import VOCAB_SPAN
+from kvtierd.bench.report import machine
 from kvtierd.bench.reuse_bench import document, follow_up, questions
 from kvtierd.bench.serve_bench import (ServeBenchError, async_client, percentile, sse_chunks, started_daemon,
                                        story_prompts)
@@ -361,7 +362,7 @@ def run_stall_bench(w: StallWorkload) -> dict:
     for r in results:
         base, load = r["without_load"]["p99_ms"], r["with_load"]["p99_ms"]
         r["itl_p99_x"] = load / base if base and load is not None else None
-    return {"workload": asdict(w), "machine": machine_line(), "load_average": os.getloadavg(), "scenarios": results,
+    return {"workload": asdict(w), "machine": machine(), "load_average": os.getloadavg(), "scenarios": results,
             "next_turn": turns, "targets": {"itl_p99_x": TARGET_ITL_P99_X, "next_turn_x": TARGET_NEXT_TURN_X}}
 
 

@@ -416,7 +416,7 @@ def run_disk_bandwidth(c: ComputedPrompt, w: TiersWorkload, directory: Path) -> 
     directory.mkdir()
     raw_write_s, raw_read_s = _raw_file(directory / "raw.bin", [kv for _, _, kv in items])
     rows = []
-    for codec in ("zstd-planes", "raw"):  # what "auto" picks from, for 16-bit and 32-bit KV
+    for codec in ("zstd-planes", "raw"):  # the smaller one, and what "auto" picks
         path = directory / codec
         path.mkdir()
         write_s, cold_s, warm_s, stored, equal = _disk_tier(path, codec, items, max(MIN_MAP_BYTES, 4 * payload))
@@ -424,7 +424,7 @@ def run_disk_bandwidth(c: ComputedPrompt, w: TiersWorkload, directory: Path) -> 
                                      payload / warm_s / GB, raw_write_s / write_s, raw_read_s / cold_s, equal))
     return DiskBandwidthFigures(str(directory), len(items), payload, payload / raw_write_s / GB,
                                 payload / raw_read_s / GB, TARGET_SHARE_OF_RAW,
-                                resolve_codec(TierConfig().disk_codec, c.geometry.dtype, "disk"), rows)
+                                resolve_codec(TierConfig().disk_codec, "disk"), rows)
 
 
 def _disk_tier(path: Path, codec: str, items: list[tuple[bytes, ChunkIdentity, torch.Tensor]],

@@ -265,8 +265,8 @@ SETTINGS: tuple[Setting, ...] = (
             "disk tier: LMDB map size under <state_dir>/kv; the file grows as it fills (0: off)"),
     Setting("chunk_pages", "tiers", "chunk_pages", 16, int_between(1, 1024), "KV pages per chunk stored below the device"),
     Setting("disk_codec", "tiers", "disk_codec", "auto", one_of(*TIER_CODECS),
-            "codec of disk and remote chunks: raw, zstd, zstd-planes (zstd over byte planes) or auto (disk: raw "
-            "for 32-bit KV, zstd-planes for 16-bit; remote: zstd-planes)"),
+            "codec of disk and remote chunks: raw, zstd, zstd-planes (zstd over byte planes) or auto (disk: raw; "
+            "remote: zstd-planes)"),
     Setting("disk_admission", "tiers", "disk_admission", "reused", one_of(*DISK_ADMISSIONS),
             "evicted chunks also written to disk: reused (hit at least once) or all; sessions' turns always are"),
     Setting("flush_on_shutdown", "tiers", "flush_on_shutdown", True, parse_bool,

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
 from kvtierd.storage.codecs import CODEC_NAMES
 
 # What a capacity eviction writes to disk (the host tier takes every evicted chunk):
@@ -21,15 +19,15 @@ REMOTE_ADMISSIONS = ("all", "sessions")
 TIER_CODECS = ("auto", *CODEC_NAMES)
 
 
-def resolve_codec(codec: str, dtype: torch.dtype, tier: str) -> str:
-    """The codec a tier uses for KV of `dtype`. "auto" on disk: raw for 32-bit KV, whose bytes barely
-    compress (1.2x over byte planes, decoded at 1.2 to 1.4 GB/s a core: slower than reading the 20% it
-    saves from any SSD; `kvtierd bench tiers` measures both), zstd-planes for 16-bit KV, whose sign and
-    exponent plane compresses well. "auto" for the fleet: always zstd-planes, since the shared server's
-    memory and the network are what is short there."""
+def resolve_codec(codec: str, tier: str) -> str:
+    """The codec a tier uses. "auto" on disk: raw. zstd over byte planes saves a third of
+    16-bit KV's bytes (a fifth of 32-bit KV's), but it decodes at ~0.6 GB/s a core and encodes at ~0.2, while
+    an SSD reads raw chunks at 1-3 GB/s: on disk it cost restores and stores more than the bytes it saved
+    (`kvtierd bench tiers` measures both; a slow disk may want zstd-planes). "auto" for the fleet:
+    zstd-planes, since the shared server's memory and the network are what is short there."""
     if codec != "auto":
         return codec
-    return "raw" if tier == "disk" and dtype.itemsize >= 4 else "zstd-planes"
+    return "raw" if tier == "disk" else "zstd-planes"
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ def open_backends(config: TierConfig, pages: PageCopier, counts: dict[Tier, Tier
     disk_store = _open_disk(config, off)
     opened = OpenedTiers(Epoch(config.disk_path if disk_store is not None else None), off=off)
     if disk_store is not None:
-        opened.disk = DiskBackend(disk_store, resolve_codec(config.disk_codec, g.dtype, Tier.DISK),
+        opened.disk = DiskBackend(disk_store, resolve_codec(config.disk_codec, Tier.DISK),
                                   config.max_pending_disk_bytes, pages, opened.epoch, counts[Tier.DISK], transfer_stats)
     if not config.host_bytes:
         off[Tier.HOST] = "off: host_bytes is 0"
@@ -53,7 +53,7 @@ def open_backends(config: TierConfig, pages: PageCopier, counts: dict[Tier, Tier
         keyspace = RedisKeyspace(r.fleet, model_fingerprint, g, config.chunk_pages)
         store = RedisStore(r.url, keyspace, r.secret, ttl_s=r.ttl_s, connect_timeout_ms=r.connect_timeout_ms,
                            op_timeout_ms=r.op_timeout_ms)
-        opened.remote = RemoteBackend(store, resolve_codec(r.codec, g.dtype, Tier.REMOTE),
+        opened.remote = RemoteBackend(store, resolve_codec(r.codec, Tier.REMOTE),
                                       config.max_pending_disk_bytes, pages, counts[Tier.REMOTE], transfer_stats)
     return opened
 
