@@ -13,7 +13,7 @@ different CPU builds its own. Without a compiler the model keeps the torch path
 
 The kernel shares its (sequence, KV head) items among OpenMP threads, as many
 as torch computes with at the call (`engine/step_threads.py` may leave one to
-the tiers). Built with `-fopenmp`, the library binds to the libgomp torch loaded
+the tiers), or one for a call too small to pay for waking the others. Built with `-fopenmp`, the library binds to the libgomp torch loaded
 first, so they are torch's own threads, not a second pool spinning beside it.
 """
 
@@ -38,6 +38,9 @@ SOURCE = "paged_decode.c"
 FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
 HEAD_DIMS = (64, 128)  # built on demand, one library each
 MAX_GROUP = 16  # the kernel's bound on query heads per KV head
+# Context tokens x KV heads below which a call runs on one thread: ~35 ns each, so a smaller call costs less
+# than waking a second thread and joining it (a short chat's decode).
+PARALLEL_MIN_WORK = 1024
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
 _ARGTYPES = [_P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I32, _I32, _I32, _F32, _I32, _I32]
@@ -57,10 +60,11 @@ class CpuDecodeKernel:
         """Attention of the decode rows `q [n, heads, head_dim]` (rows may be strided) into `out` (contiguous,
         same shape): row s over the pages `block_tables[s]`, `context_lens[s]` tokens. bfloat16 throughout."""
         n, num_heads, _ = q.shape
+        num_kv_heads = k_cache.shape[2]
+        threads = torch.get_num_threads() if sum(context_lens_host) * num_kv_heads >= PARALLEL_MIN_WORK else 1
         status = self._fn(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                           block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), n, num_heads,
-                          k_cache.shape[2], k_cache.shape[1], scale, max(context_lens_host, default=0),
-                          torch.get_num_threads())
+                          num_kv_heads, k_cache.shape[1], scale, max(context_lens_host, default=0), threads)
         if status != 0:
             raise MemoryError(f"CPU decode attention: no memory for its scores, or more than {MAX_GROUP} query "
                               "heads share a KV head")
