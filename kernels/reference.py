@@ -52,11 +52,11 @@ class ReferencePlan:
     batch: PagedBatch
     decode_groups: list[DecodeGroup]
     prefill_blocks: list[torch.Tensor]  # per prefill sequence: [its pages] int64
-    # per prefill sequence: its causal mask [q_len, ctx] when it follows a cached prefix (else None),
-    # built once a step rather than in each layer
+    # per prefill sequence: its causal mask [q_len, ctx] (True: attended) when it follows a cached prefix
+    # (else None), built once a step rather than in each layer
     prefill_masks: list[torch.Tensor | None]
-    # the same masks repeated for grouped query heads (`grouped_mask`), made by the first layer
-    grouped_masks: dict[int, torch.Tensor]
+    # the same masks as SDPA adds them (`additive_mask`), made by the first layer
+    additive_masks: dict[tuple[int, int], torch.Tensor]
 
     @classmethod
     def build(cls, batch: PagedBatch, group_decodes: bool = True) -> "ReferencePlan":
@@ -71,12 +71,16 @@ class ReferencePlan:
                  for i in prefills]
         return cls(batch, decode_groups, prefill_blocks, masks, {})
 
-    def grouped_mask(self, i: int, group: int) -> torch.Tensor:
-        """Prefill sequence i's mask for its queries grouped by KV head (`_grouped_queries`): row
-        r * q_len + t is query t's row, for each of the `group` query heads r of a KV head."""
-        mask = self.grouped_masks.get(i)
+    def additive_mask(self, i: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+        """Prefill sequence i's mask as 0 (attended) or -inf in `dtype`: SDPA turns a boolean mask into this
+        in every call (each layer), ~a sixth of a chat turn's attention. With `group` > 1, for its queries
+        grouped by KV head (`_grouped_queries`): row r * q_len + t is query t's row, for each of the
+        `group` query heads r of a KV head."""
+        mask = self.additive_masks.get((i, group))
         if mask is None:
-            mask = self.grouped_masks[i] = self.prefill_masks[i].repeat(group, 1)
+            allowed = self.prefill_masks[i].repeat(group, 1)
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
+            self.additive_masks[(i, group)] = mask
         return mask
 
 
@@ -179,12 +183,14 @@ def attend_prefills(plan: ReferencePlan, q: torch.Tensor, k_cache: torch.Tensor,
         vi = _gather(v_cache, blocks, ctx, q.dtype).transpose(0, 1).unsqueeze(0)
         if mask is None or q_len * group > GROUPED_MAX_ROWS:
             qi = q[start : start + q_len].transpose(0, 1).unsqueeze(0)  # [1, heads, q_len, head_dim]
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None, scale=scale,
+            added = None if mask is None else plan.additive_mask(i - nd, 1, q.dtype)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=added, is_causal=mask is None, scale=scale,
                                                 enable_gqa=True)
             out[start : start + q_len] = oi.squeeze(0).transpose(0, 1)
         else:  # a short run of new tokens over a cached prefix (a chat turn)
             qi = _grouped_queries(q[start : start + q_len], kv_heads)
-            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=plan.grouped_mask(i - nd, group), scale=scale)
+            oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=plan.additive_mask(i - nd, group, q.dtype),
+                                                scale=scale)
             out[start : start + q_len] = oi.view(kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3).reshape(
                 q_len, num_heads, head_dim)
         start += q_len
