@@ -11,9 +11,9 @@ the process's.
 
 Stores are on no request's path, so the pools given a `defer_s` (the lower
 tiers' writers) yield to steps: each of their tasks waits while an engine has
-steps to run (`engine_has_steps`) and starts once every engine is idle, or
-`defer_s` after its submission at the latest, so a daemon that never pauses
-still stores, later. Such a task counts only once it starts: waiting, it takes
+steps to run (`engine_has_steps`) and starts once every engine has been idle
+for IDLE_SPELL_S, or `defer_s` after its submission at the latest, so a daemon
+that never pauses still stores, later. Such a task counts only once it starts: waiting, it takes
 no core from a step, and the step keeps all its threads. Shutting a pool down
 lets its waiting tasks start at once. Loads and prefetches never wait: a
 request waits for them.
@@ -26,6 +26,11 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+# How long the engines stay idle before deferred tasks start. A started chunk is not stopped for a step, and the
+# gap between one request's end and the next one's steps (a chat's next turn sent on the reply, a busy
+# daemon's next request) is shorter than this; an idle spell worth the name is longer.
+IDLE_SPELL_S = 0.1
+
 
 class BackgroundWork:
     def __init__(self) -> None:
@@ -34,6 +39,7 @@ class BackgroundWork:
         self._pending = 0  # tasks counted and not ended
         self._deferred = 0  # tasks waiting for the engines' idle spells
         self._engines_with_steps = 0
+        self._idle_since = float("-inf")  # monotonic time the engines last went idle
 
     @property
     def busy(self) -> bool:
@@ -41,7 +47,7 @@ class BackgroundWork:
 
     @property
     def num_deferred(self) -> int:
-        """Tasks waiting now for the engines to go idle (not counted in `busy`)."""
+        """Tasks waiting now for an idle spell of the engines (not counted in `busy`)."""
         return self._deferred
 
     def engine_has_steps(self, has: bool) -> None:
@@ -51,6 +57,7 @@ class BackgroundWork:
             self._engines_with_steps += 1 if has else -1
             assert self._engines_with_steps >= 0, "an engine went idle twice"
             if not self._engines_with_steps:
+                self._idle_since = time.monotonic()
                 self._gate.notify_all()
 
     def pool(self, max_workers: int, thread_name_prefix: str, defer_s: float = 0.0) -> ThreadPoolExecutor:
@@ -64,12 +71,17 @@ class BackgroundWork:
             self._pending += n
 
     def _start_deferred(self, deadline: float, shut: Callable[[], bool]) -> None:
-        """Waits while an engine has steps to run, until the monotonic `deadline` or `shut()`; then counts the
-        task that called it."""
+        """Waits until the engines have been idle for IDLE_SPELL_S, the monotonic `deadline` or `shut()`; then
+        counts the task that called it."""
         with self._lock:
             self._deferred += 1
-            self._gate.wait_for(lambda: not self._engines_with_steps or shut(),
-                                timeout=max(0.0, deadline - time.monotonic()))
+            while not shut() and (now := time.monotonic()) < deadline:
+                if self._engines_with_steps:
+                    self._gate.wait(deadline - now)
+                elif now < (idle_enough := self._idle_since + IDLE_SPELL_S):
+                    self._gate.wait(min(idle_enough, deadline) - now)
+                else:
+                    break
             self._deferred -= 1
             self._pending += 1
 
