@@ -12,11 +12,11 @@ the process's.
 Stores are on no request's path, so the pools given a `defer_s` (the lower
 tiers' writers) yield to steps: each of their tasks waits while an engine has
 steps to run (`engine_has_steps`) and starts once every engine has been idle
-for IDLE_SPELL_S, or `defer_s` after its submission at the latest, so a daemon
-that never pauses still stores, later. Such a task counts only once it starts: waiting, it takes
-no core from a step, and the step keeps all its threads. Shutting a pool down
-lets its waiting tasks start at once. Loads and prefetches never wait: a
-request waits for them.
+for IDLE_SPELL_S, or `defer_s` after its submission at the latest, so a
+daemon that never pauses still stores, later. Such a task counts only once it
+starts: waiting, it takes no core, and the step keeps all its threads.
+Shutting a pool down lets its waiting tasks start at once. Loads and
+prefetches never wait: a request waits for them.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ class _DeferringPool(ThreadPoolExecutor):
         return super().submit(self._deferred, deadline, fn, args, kwargs)  # a cancelled one never counted
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
-        self._shutting = True  # what waits starts now: closing never waits for the engines
+        self._shutting = True  # what waits starts now: closing never waits for the engines (`_shut` wakes it)
         self._work._shut()
         super().shutdown(wait, cancel_futures=cancel_futures)
 
