@@ -8,7 +8,10 @@ before the next step is scheduled, and a request that arrived during a step is
 in the next one's `schedule()` (the loop yields once between steps, so handlers
 whose requests landed at the boundary add them first). When the engine goes idle, the step thread
 does the engine's idle work (`LLMEngine.on_idle`: compaction, saving ahead);
-edits made meanwhile wait for it as they wait for a step.
+edits made meanwhile wait for it as they wait for a step. The loop tells the
+tiers' background work whether the engine has steps to run, so the lower
+tiers' writes wait for its idle spells (tiers/background_work.py); a stopped
+engine is idle.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from kvtierd.engine.errors import EngineStoppedError, OverloadedError
 from kvtierd.engine.llm_engine import LLMEngine
 from kvtierd.engine.request import FinishReason, RequestOutput
 from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -38,6 +42,7 @@ class AsyncEngine:
         self._pending: list[Callable[[], None]] = []  # engine edits made while a step runs
         self._stepping = False
         self._idle_work_due = False  # a step ran since the engine was last idle
+        self._has_steps = False  # as BACKGROUND_WORK was last told
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._stopped = False
@@ -133,9 +138,22 @@ class AsyncEngine:
             log.exception("deferred engine change failed")
 
     async def _run(self) -> None:
+        try:
+            await self._step_while_running()
+        finally:
+            self._tell_has_steps(False)
+
+    def _tell_has_steps(self, has: bool) -> None:
+        if has != self._has_steps:
+            self._has_steps = has
+            BACKGROUND_WORK.engine_has_steps(has)
+
+    async def _step_while_running(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            if not self.engine.has_unfinished():
+            has_steps = self.engine.has_unfinished()
+            self._tell_has_steps(has_steps)
+            if not has_steps:
                 if self._idle_work_due:  # a slice at a time: a request arriving meanwhile is stepped next
                     self._idle_work_due = await self._idle_work()
                     continue

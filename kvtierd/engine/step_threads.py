@@ -8,7 +8,10 @@ for a time slice stalls the whole region: in a probe on 2 cores, a zstd +
 hash worker beside three decoding streams raised the steps' p95 several-fold
 at 2 threads, while at 1 thread it stayed near its own pace. So while
 background work is pending, a step leaves it one core; steps go back to every
-thread when it is done.
+thread when it is done. The lower tiers' writes mostly wait for the engine's
+idle spells instead (tiers/background_work.py); waiting, they are not pending,
+so only one that runs (past its deferral bound, or started in an idle spell a
+request then ended) takes the step's core.
 
 OpenMP keeps the thread count per calling thread: `before_step` is called on
 the thread that runs the step.

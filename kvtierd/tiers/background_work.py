@@ -1,35 +1,93 @@
-"""The KV tiers' background work (loads, stores, prefetches), counted so a step can leave it a core.
+"""The KV tiers' background work (loads, stores, prefetches): counted so a step can leave it a core, and stores
+yielding to steps.
 
-Each worker pool of the tiers is a `BACKGROUND_WORK.pool`: a task counts from
-its submission until it ends (or is cancelled). Their work is mostly outside
-the GIL (zstd, hashing, memcpy, LMDB, sockets), so it runs beside a step on
-another core; the engine reads `busy` before each step (engine/step_threads.py).
-Lookups are not counted: they wait on a store far more than they compute. One
-count for the process, as its cores and torch's threads are the process's.
+Each worker pool of the tiers is a `BACKGROUND_WORK.pool`. Their work is
+mostly outside the GIL (zstd, hashing, memcpy, LMDB, sockets), so it runs
+beside a step on another core; the engine reads `busy` before each step
+(engine/step_threads.py). A task counts from its submission until it ends (or
+is cancelled). Lookups are not counted: they wait on a store far more than
+they compute. One count for the process, as its cores and torch's threads are
+the process's.
+
+Stores are on no request's path, so the pools given a `defer_s` (the lower
+tiers' writers) yield to steps: each of their tasks waits while an engine has
+steps to run (`engine_has_steps`) and starts once every engine has been idle
+for IDLE_SPELL_S, or `defer_s` after its submission at the latest, so a
+daemon that never pauses still stores, later. Such a task counts only once it
+starts: waiting, it takes no core, and the step keeps all its threads.
+Shutting a pool down lets its waiting tasks start at once. Loads and
+prefetches never wait: a request waits for them.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+
+# How long the engines stay idle before deferred tasks start. A started chunk is not stopped for a step, and the
+# gap between one request's end and the next one's steps (a chat's next turn sent on the reply, a busy
+# daemon's next request) is shorter than this; an idle spell worth the name is longer.
+IDLE_SPELL_S = 0.1
 
 
 class BackgroundWork:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._pending = 0  # tasks submitted to the pools and not ended
+        self._gate = threading.Condition(self._lock)  # notified when the engines go idle or a pool shuts down
+        self._pending = 0  # tasks counted and not ended
+        self._deferred = 0  # tasks waiting for the engines' idle spells
+        self._engines_with_steps = 0
+        self._idle_since = float("-inf")  # monotonic time the engines last went idle
 
     @property
     def busy(self) -> bool:
         return self._pending > 0
 
-    def pool(self, max_workers: int, thread_name_prefix: str) -> ThreadPoolExecutor:
+    @property
+    def num_deferred(self) -> int:
+        """Tasks waiting now for an idle spell of the engines (not counted in `busy`)."""
+        return self._deferred
+
+    def engine_has_steps(self, has: bool) -> None:
+        """An engine now has steps to run (True) or none left (False): called by each engine on each change,
+        and with False when it stops."""
+        with self._lock:
+            self._engines_with_steps += 1 if has else -1
+            assert self._engines_with_steps >= 0, "an engine went idle twice"
+            if not self._engines_with_steps:
+                self._idle_since = time.monotonic()
+                self._gate.notify_all()
+
+    def pool(self, max_workers: int, thread_name_prefix: str, defer_s: float = 0.0) -> ThreadPoolExecutor:
+        """A worker pool whose tasks count; with `defer_s` > 0, each yields to steps for up to that long."""
+        if defer_s > 0:
+            return _DeferringPool(self, max_workers, thread_name_prefix, defer_s)
         return _CountedPool(self, max_workers, thread_name_prefix)
 
     def _add(self, n: int) -> None:
         with self._lock:
             self._pending += n
+
+    def _start_deferred(self, deadline: float, shut: Callable[[], bool]) -> None:
+        """Waits until the engines have been idle for IDLE_SPELL_S, the monotonic `deadline` or `shut()`; then
+        counts the task that called it."""
+        with self._lock:
+            self._deferred += 1
+            while not shut() and (now := time.monotonic()) < deadline:
+                if self._engines_with_steps:
+                    self._gate.wait(deadline - now)
+                elif now < (idle_enough := self._idle_since + IDLE_SPELL_S):
+                    self._gate.wait(min(idle_enough, deadline) - now)
+                else:
+                    break
+            self._deferred -= 1
+            self._pending += 1
+
+    def _shut(self) -> None:
+        with self._lock:
+            self._gate.notify_all()
 
 
 class _CountedPool(ThreadPoolExecutor):
@@ -46,6 +104,32 @@ class _CountedPool(ThreadPoolExecutor):
             raise
         future.add_done_callback(lambda _: self._work._add(-1))  # run on cancellation too
         return future
+
+
+class _DeferringPool(ThreadPoolExecutor):
+    """Its tasks start when the engines are idle or `defer_s` after their submission, and count from then."""
+
+    def __init__(self, work: BackgroundWork, max_workers: int, thread_name_prefix: str, defer_s: float) -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        self._work = work
+        self._defer_s = defer_s
+        self._shutting = False
+
+    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
+        deadline = time.monotonic() + self._defer_s
+        return super().submit(self._deferred, deadline, fn, args, kwargs)  # a cancelled one never counted
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._shutting = True  # what waits starts now: closing never waits for the engines (`_shut` wakes it)
+        self._work._shut()
+        super().shutdown(wait, cancel_futures=cancel_futures)
+
+    def _deferred(self, deadline: float, fn: Callable, args: tuple, kwargs: dict) -> object:
+        self._work._start_deferred(deadline, lambda: self._shutting)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self._work._add(-1)
 
 
 BACKGROUND_WORK = BackgroundWork()

@@ -6,6 +6,13 @@ happen here. One thread per store is enough: LMDB serializes writers anyway,
 and order matters (a session's delete must land after its earlier writes).
 Copies waiting here are bounded in bytes: past `max_pending_bytes` new ones
 are dropped and counted, never waited for.
+
+Its work yields to the engine's steps (`defer_s`, tiers/background_work.py):
+a chunk, and whatever is queued behind it, waits while the engine has steps
+to run, up to `defer_s` after its submission. The copy out of the device is
+not deferred (the store-copy thread makes it at once and the pages go back),
+so a deferred chunk holds host memory, counted in `max_pending_bytes`, not
+device pages. `close` writes what waits without further delay.
 """
 
 from __future__ import annotations
@@ -30,13 +37,13 @@ log = logging.getLogger(__name__)
 
 class ChunkWriter:
     def __init__(self, tier: str, store: DiskStore | RedisStore, codec: str, max_pending_bytes: int,
-                 stats: TransferStats | None = None) -> None:
+                 stats: TransferStats | None = None, defer_s: float = 0.0) -> None:
         self.tier = tier
         self._stats = stats  # each committed store's time (encoding included) and KV bytes
         self.store = store
         self.codec = codec
         self.max_pending_bytes = max_pending_bytes
-        self._pool = BACKGROUND_WORK.pool(1, f"kvtierd-{tier}")
+        self._pool = BACKGROUND_WORK.pool(1, f"kvtierd-{tier}", defer_s)
         self._lock = threading.Lock()
         self._pending: dict[bytes, int] = {}  # key -> bytes of its copy, until committed
         self._pending_bytes = 0
@@ -88,7 +95,8 @@ class ChunkWriter:
         self.run(lambda: self.store.quarantine(key, reason))
 
     def wait(self) -> None:
-        """Blocks until everything submitted so far is done (not on the event loop)."""
+        """Blocks until everything submitted so far is done (not on the event loop; nor on the engine's thread
+        while it has steps to run: the writes yield to them)."""
         self.run(lambda: None).result()
 
     def close(self) -> None:

@@ -59,11 +59,14 @@ class TierConfig:
     disk_codec: str = "auto"
     disk_admission: str = "reused"
     max_pending_disk_bytes: int = 256 << 20  # chunk copies waiting for a writer; past it new ones are dropped
+    store_defer_ms: int = 2000  # disk and remote writes wait while the engine has steps, this long at most (0: never)
     remote: RemoteConfig | None = None  # the fleet's shared tier (None: none)
 
     def __post_init__(self) -> None:
         if self.host_bytes < 0 or self.disk_bytes < 0:
             raise ValueError("host_bytes and disk_bytes must be 0 (off) or positive")
+        if self.store_defer_ms < 0:
+            raise ValueError(f"store_defer_ms must be 0 (never defer) or positive, got {self.store_defer_ms}")
         if self.chunk_pages < 1:
             raise ValueError(f"chunk_pages must be at least 1, got {self.chunk_pages}")
         if self.disk_codec not in TIER_CODECS:

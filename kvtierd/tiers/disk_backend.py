@@ -27,8 +27,8 @@ class DiskBackend(WriterBackend):
     tier = Tier.DISK
 
     def __init__(self, store: DiskStore, codec: str, max_pending_bytes: int, pages: PageCopier, epoch: Epoch,
-                 counts: TierCounts, transfer_stats: TransferStats) -> None:
-        super().__init__(store, codec, max_pending_bytes, pages, counts, transfer_stats)
+                 counts: TierCounts, transfer_stats: TransferStats, defer_s: float = 0.0) -> None:
+        super().__init__(store, codec, max_pending_bytes, pages, counts, transfer_stats, defer_s)
         self._epoch = epoch
 
     def usable(self) -> bool:

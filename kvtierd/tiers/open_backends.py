@@ -39,7 +39,8 @@ def open_backends(config: TierConfig, pages: PageCopier, counts: dict[Tier, Tier
     opened = OpenedTiers(Epoch(config.disk_path if disk_store is not None else None), off=off)
     if disk_store is not None:
         opened.disk = DiskBackend(disk_store, resolve_codec(config.disk_codec, Tier.DISK),
-                                  config.max_pending_disk_bytes, pages, opened.epoch, counts[Tier.DISK], transfer_stats)
+                                  config.max_pending_disk_bytes, pages, opened.epoch, counts[Tier.DISK], transfer_stats,
+                                  config.store_defer_ms / 1e3)
     if not config.host_bytes:
         off[Tier.HOST] = "off: host_bytes is 0"
     else:
@@ -54,7 +55,8 @@ def open_backends(config: TierConfig, pages: PageCopier, counts: dict[Tier, Tier
         store = RedisStore(r.url, keyspace, r.secret, ttl_s=r.ttl_s, connect_timeout_ms=r.connect_timeout_ms,
                            op_timeout_ms=r.op_timeout_ms)
         opened.remote = RemoteBackend(store, resolve_codec(r.codec, Tier.REMOTE),
-                                      config.max_pending_disk_bytes, pages, counts[Tier.REMOTE], transfer_stats)
+                                      config.max_pending_disk_bytes, pages, counts[Tier.REMOTE], transfer_stats,
+                                      config.store_defer_ms / 1e3)
     return opened
 
 

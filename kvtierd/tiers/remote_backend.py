@@ -29,8 +29,8 @@ class RemoteBackend(WriterBackend):
     tier = Tier.REMOTE
 
     def __init__(self, store: RedisStore, codec: str, max_pending_bytes: int, pages: PageCopier,
-                 counts: TierCounts, transfer_stats: TransferStats) -> None:
-        super().__init__(store, codec, max_pending_bytes, pages, counts, transfer_stats)
+                 counts: TierCounts, transfer_stats: TransferStats, defer_s: float = 0.0) -> None:
+        super().__init__(store, codec, max_pending_bytes, pages, counts, transfer_stats, defer_s)
         self.fleet_epoch = FleetEpoch(store)
 
     def usable(self) -> bool:

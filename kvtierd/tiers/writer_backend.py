@@ -28,13 +28,14 @@ class WriterBackend:
     tier: Tier
 
     def __init__(self, store: DiskStore | RedisStore, codec: str, max_pending_bytes: int, pages: PageCopier,
-                 counts: TierCounts, transfer_stats: TransferStats) -> None:
+                 counts: TierCounts, transfer_stats: TransferStats, defer_s: float = 0.0) -> None:
+        """`defer_s`: how long at most its writes yield to the engine's steps (`ChunkWriter`)."""
         self.storage = store
         self.codec = codec
         self.counts = counts
         self._pages = pages
         self._geometry = pages.geometry
-        self.writer = ChunkWriter(self.tier, store, codec, max_pending_bytes, transfer_stats)
+        self.writer = ChunkWriter(self.tier, store, codec, max_pending_bytes, transfer_stats, defer_s)
 
     @property
     def failure(self) -> str | None:
