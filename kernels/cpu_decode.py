@@ -35,7 +35,10 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCE = "paged_decode.c"
-FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-shared", "-std=c11")
+COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
+# Linked apart, without -ffast-math: linked with it, gcc adds a start-up routine that makes the loading thread
+# flush subnormal floats to zero for everything else the process computes there.
+LINK_FLAGS = ("-shared", "-fopenmp")
 HEAD_DIMS = (64, 128)  # built on demand, one library each
 MAX_GROUP = 16  # the kernel's bound on query heads per KV head
 # Context tokens x KV heads below which a call runs on one thread: ~35 ns each, so a smaller call costs less
@@ -101,9 +104,10 @@ def _load(head_dim: int) -> CpuDecodeKernel | None:
 
 def _build(compiler: str, head_dim: int) -> Path:
     source = resources.files("kvtierd.kernels").joinpath("cpu", SOURCE).read_bytes()
-    flags = (*FLAGS, f"-DHEAD_DIM={head_dim}")
+    flags = (*COMPILE_FLAGS, f"-DHEAD_DIM={head_dim}")
     version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
-    digest = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version, _cpu_flags()])).hexdigest()[:16]
+    digest = hashlib.sha256(b"\0".join([source, " ".join((*flags, *LINK_FLAGS)).encode(), version,
+                                         _cpu_flags()])).hexdigest()[:16]
     cache = Path(os.environ.get("KVTIERD_KERNEL_CACHE_DIR") or
                  Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtierd" / "cpu-kernels")
     library = cache / f"paged_decode_{head_dim}_{digest}.so"
@@ -111,10 +115,10 @@ def _build(compiler: str, head_dim: int) -> Path:
         return library
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        src = Path(tmp) / SOURCE
+        src, obj, built = Path(tmp) / SOURCE, Path(tmp) / "paged_decode.o", Path(tmp) / library.name
         src.write_bytes(source)
-        built = Path(tmp) / library.name
-        subprocess.run([compiler, *flags, "-o", str(built), str(src), "-lm"], capture_output=True, check=True)
+        subprocess.run([compiler, *flags, "-c", "-o", str(obj), str(src)], capture_output=True, check=True)
+        subprocess.run([compiler, *LINK_FLAGS, "-o", str(built), str(obj), "-lm"], capture_output=True, check=True)
         os.replace(built, library)  # atomic: a daemon starting beside this one sees all of it or none
     log.info("built the CPU decode kernel for head_dim %d: %s", head_dim, library)
     return library

@@ -3,6 +3,7 @@ torch reference on the same batch: decodes of very different contexts beside a p
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,3 +89,11 @@ def test_float32_keeps_the_exact_torch_path():
     assert select_backend(torch.device("cpu"), torch.float32, torch.float32, 64).name == "torch-reference"
     assert select_backend(torch.device("cpu"), torch.bfloat16, torch.float32, 64).name == "torch-reference"
     assert select_backend(torch.device("cpu"), torch.bfloat16, torch.bfloat16, 80).name == "torch-reference"
+
+
+def test_loading_the_kernel_leaves_subnormal_floats_alone():
+    # Built with -ffast-math; linked with it, gcc's start-up code would make this thread flush subnormals to zero.
+    assert cpu_decode_kernel(64) is not None
+    tiny = np.array([0x000AE398], dtype=np.uint32).view(np.float32)  # ~1e-39: subnormal, made from its bits
+    # compared as bits: flushing would also flush a comparison's operands (and a conversion from 1e-39)
+    assert (tiny * np.float32(1.0)).view(np.uint32)[0] == 0x000AE398
