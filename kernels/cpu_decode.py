@@ -62,7 +62,14 @@ class CpuDecodeKernel:
                scale: float) -> None:
         """Attention of the decode rows `q [n, heads, head_dim]` (rows may be strided) into `out` (contiguous,
         same shape): row s over the pages `block_tables[s]`, `context_lens[s]` tokens. bfloat16 throughout."""
-        n, num_heads, _ = q.shape
+        n, num_heads, head_dim = q.shape
+        if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16
+                and block_tables.dtype == context_lens.dtype == torch.int32
+                and q.stride(1) == head_dim and q.stride(2) == 1 and out.is_contiguous()
+                and k_cache.is_contiguous() and v_cache.is_contiguous() and block_tables.stride(1) == 1
+                and context_lens.is_contiguous()):  # the kernel reads raw memory in exactly these layouts
+            raise ValueError("CPU decode attention takes bfloat16 rows of contiguous heads, contiguous page pools "
+                             "and int32 block tables")
         num_kv_heads = k_cache.shape[2]
         threads = torch.get_num_threads() if sum(context_lens_host) * num_kv_heads >= PARALLEL_MIN_WORK else 1
         status = self._fn(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),

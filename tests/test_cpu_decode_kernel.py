@@ -97,3 +97,15 @@ def test_loading_the_kernel_leaves_subnormal_floats_alone():
     tiny = np.array([0x000AE398], dtype=np.uint32).view(np.float32)  # ~1e-39: subnormal, made from its bits
     # compared as bits: flushing would also flush a comparison's operands (and a conversion from 1e-39)
     assert (tiny * np.float32(1.0)).view(np.uint32)[0] == 0x000AE398
+
+
+def test_a_layout_the_kernel_cannot_read_is_refused_not_read():
+    kernel = cpu_decode_kernel(64)
+    cache = torch.zeros(4, BLOCK, KV_HEADS, 64, dtype=torch.bfloat16)
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+    q = torch.zeros(1, HEADS, 64, dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernel.decode(out, q, cache.transpose(1, 2), cache, tables, lens, [1], 0.125)
+    with pytest.raises(ValueError, match="bfloat16"):
+        kernel.decode(out, q.float(), cache, cache, tables, lens, [1], 0.125)

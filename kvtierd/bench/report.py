@@ -33,6 +33,11 @@ def machine() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
+def cpu_line(m: dict) -> str:
+    """`machine()`'s CPU model, cores and ISA flags, for a bench's first line."""
+    return f"{m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}"
+
+
 def median_time(fn: Callable[[], object], repeats: int) -> float:
     """Median wall seconds of `fn` over `repeats` runs."""
     times = []

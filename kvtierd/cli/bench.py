@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from kvtierd.bench.report import machine, print_table, write_json
+from kvtierd.bench.report import cpu_line, machine, print_table, write_json
 
 bench_app = typer.Typer(no_args_is_help=True, help="Benchmarks: tables on stdout, figures with --json.")
 
@@ -40,8 +40,8 @@ def bench_engine(
     mode_list = [default_weight_mode(torch.device("cpu")).name if m == "auto" else m for m in modes.split(",") if m]
     f = run_engine_bench(load_model(model, dtype="float32"), _ints(batches), _ints(prefill), mode_list, threads)
     m = machine()
-    typer.echo(f"machine: {f['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']}, {f['threads']} threads on every side "
-               f"(the daemon's default), {m['date']}")
+    typer.echo(f"machine: {f['cpu']}, {m['cores']} cores, torch {m['torch']}, {f['threads']} threads on every side "
+               f"(the daemon's default), {m['date']}")  # f['cpu'] names the ISA flags already
     typer.echo(f"llama.cpp: {'llama-cpp-python, same GGUF' if f['llama_cpp'] else 'not installed (no column)'}; "
                f"memory read bandwidth: {f['memory_read_GB_s']:.2f} GB/s; weights read per batch-1 token: "
                + ", ".join(f"{k} {v / 1e6:.0f} MB" for k, v in f["weight_bytes_per_token"].items()))
@@ -84,7 +84,7 @@ def bench_quality(
     replies = greedy_replies(reference)
     rows = [measure_quality(reference, convert_loaded(reference, mode), replies) for mode in modes.split(",") if mode]
     m = machine()
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']}, {m['date']}; gate for the default "
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']}, {m['date']}; gate for the default "
                f"mode: top-1 >= 98%, mean KL <= 0.02 nats")
     print_table(
         f"weight modes against float32 ({len(CHATS)} greedy chats of {REPLY_TOKENS} tokens)",
@@ -157,7 +157,7 @@ def bench_serve(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     m = machine()
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']} ({m['torch_threads']} threads), {m['date']}")
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} ({m['torch_threads']} threads), {m['date']}")
     typer.echo(f"daemon: {figures['daemon']}; model {figures['model']}")
     typer.echo(
         f"streamed chat, temperature 0, max_tokens {max_tokens}, EOS not ignored (long-story prompts); "
@@ -228,7 +228,7 @@ def bench_chat(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     m = machine()
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']} ({f.threads} threads; llama.cpp the "
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} ({f.threads} threads; llama.cpp the "
                f"same), {m['date']}")
     typer.echo(f"{w.sessions} conversations x {w.turns} turns, interleaved, one request at a time; documents of "
                f"{', '.join(f'{n:,}' for n in f.doc_tokens)} tokens; replies of up to {w.max_tokens} tokens, "
@@ -314,7 +314,7 @@ def bench_fleet(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     m = machine()
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']} ({m['torch_threads']} threads), "
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} ({m['torch_threads']} threads), "
                f"{m['date']}; redis: {f['redis']}")
     print_table(f"shared document ({f['doc_tokens']:,} tokens): host B, after host A answered another question",
                 ["prompt", "cached", "from remote", "TTFT B ms", "TTFT recompute ms", "speedup"],
@@ -360,7 +360,7 @@ def bench_soak(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     m = machine()
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']}, {m['date']}; daemon: {f['daemon']}")
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']}, {m['date']}; daemon: {f['daemon']}")
     typer.echo(f"{f['sessions']} sessions x {f['rounds']} rounds, {f['concurrency']} at once, max_tokens "
                f"{f['max_tokens']}, hang-up chance {f['disconnect_p']:.0%}: {f['requests']} requests in "
                f"{f['wall_s']:.1f} s; 5xx seen: {f['errors_5xx']}")
@@ -405,7 +405,7 @@ def bench_qos(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     m = f["machine"]
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']} "
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} "
                f"({m['torch_threads']} threads), {m['date']}")
 
     def ms(x: float | None) -> str:
@@ -470,7 +470,7 @@ def bench_stall(
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(2) from e
     m = f["machine"]
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']} "
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} "
                f"({m['torch_threads']} threads), {m['date']}; load average "
                + " ".join(f"{x:.2f}" for x in f["load_average"]))
 
@@ -499,6 +499,7 @@ def bench_stall(
                     [["right after (its KV being stored)", ms(nt["right_after_ms"]), f"{nt['x']:.2f}"],
                      [f"{f['workload']['turn_later_s']:g} s later", ms(nt["later_ms"]), "1.00"]])
         typer.echo(f"target: right after <= {t['next_turn_x']:g}x later")
+    write_json(json_path, f)
 
 
 @bench_app.command("tenants")
@@ -527,7 +528,7 @@ def bench_tenants(
     f = run_tenants_bench(load_model(model), w)
     m = f["machine"] = machine()
     f["load_average"] = os.getloadavg()
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']} "
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} "
                f"({m['torch_threads']} threads), {m['date']}, load average {f['load_average'][0]:.2f}")
     print_table(f"The quiet tenant under a flood of {f['workload']['flood_x_pool']:.1f}x the device pool "
                 "(engine time)",
@@ -643,7 +644,7 @@ def bench_reuse(
         torch.set_num_threads(threads)
     figures = run_reuse_bench(load_model(model), turns, docs[0], docs[-1], requests, lookup_tokens)
     m = machine()
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']} ({m['torch_threads']} threads), {m['date']}")
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} ({m['torch_threads']} threads), {m['date']}")
     mt = figures["multi_turn"]
     typer.echo(
         f"multi-turn: {mt['turns']} turns over a {mt['doc_tokens']:,}-token document, one session; each prompt is "
@@ -703,7 +704,7 @@ def bench_startup(
         raise typer.BadParameter("--repeats and --processes must be at least 1")
     f = run_startup_bench(model, repeats, processes)
     m = machine()
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']} ({m['torch_threads']} threads), "
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} ({m['torch_threads']} threads), "
                f"{m['date']}; model {f.model}, loads alternated, median of {f.repeats}")
     print_table(
         "model load (to a ready LlamaModel and tokenizer, float32 on the CPU)",
@@ -762,7 +763,7 @@ def bench_tiers(
         torch.set_num_threads(threads)
     f = run_tiers_bench(load_model(model), w, directory)
     m = machine()
-    typer.echo(f"machine: {m['cpu']}, {m['cores']} cores, ISA {' '.join(m['isa']) or '-'}, torch {m['torch']} ({m['torch_threads']} threads), {m['date']}")
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} ({m['torch_threads']} threads), {m['date']}")
 
     def yes(ok: bool) -> str:
         return "yes" if ok else "NO"
