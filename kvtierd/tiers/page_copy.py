@@ -3,9 +3,13 @@
     chunk KV  [layers, 2 (K, V), pages, block_size, kv_heads, head_dim]
     device    per layer K and V  [num_blocks, block_size, kv_heads, head_dim]
 
-A chunk's pages are wherever the pool put them. Each run of consecutive page
-ids is one slice copy per layer and K/V (compaction makes runs long); a
-scattered page list costs one small copy per page.
+A chunk's pages are wherever the pool put them. In a CPU pool each layer's K
+and V move in one indexed copy (`index_select` / `index_copy_`), however the
+pages are scattered: a copy per run of consecutive pages cost one torch call
+per page of a scattered chunk (16 scattered pages, 30 layers: 13.7 ms against
+1.2 ms indexed, one thread). A CUDA pool copies each run as one slice per
+layer and K/V (host and device memory on either side; compaction makes runs
+long).
 """
 
 from __future__ import annotations
@@ -39,7 +43,13 @@ class PageCopier:
         return out
 
     def gather_into(self, out: torch.Tensor, block_ids: Sequence[int]) -> None:
-        """Copies the pages' K and V into `out` (CPU, chunk layout)."""
+        """Copies the pages' K and V into `out` (CPU, chunk layout, contiguous)."""
+        if self._device.device.type == "cpu":
+            index = torch.tensor(block_ids, dtype=torch.int64)
+            for layer, (k, v) in enumerate(self._device.kv_caches):
+                torch.index_select(k, 0, index, out=out[layer, 0])
+                torch.index_select(v, 0, index, out=out[layer, 1])
+            return
         runs = page_runs(block_ids)
         for layer, (k, v) in enumerate(self._device.kv_caches):
             for at, first, n in runs:
@@ -51,12 +61,18 @@ class PageCopier:
         device pages `block_ids`. With `payload` (kv's bytes), hashes each layer's bytes right after the copy
         read them, while they are in cache, and returns the payload's xxh3_64."""
         dev = self._device
-        runs = page_runs(block_ids)
+        indexed = dev.device.type == "cpu"
+        index = torch.tensor(block_ids, dtype=torch.int64) if indexed else None
+        runs = [] if indexed else page_runs(block_ids)
+        end = skip + len(block_ids)
         hasher = xxhash.xxh3_64()
         per_layer = len(payload) // len(dev.kv_caches) if payload is not None else 0
         for layer, (k, v) in enumerate(dev.kv_caches):
             if kv.dtype != k.dtype:  # bytes (a payload at an unaligned offset): the pages seen as bytes too
                 k, v = k.view(kv.dtype), v.view(kv.dtype)
+            if indexed:
+                k.index_copy_(0, index, kv[layer, 0, skip:end])
+                v.index_copy_(0, index, kv[layer, 1, skip:end])
             for at, first, n in runs:
                 k[first : first + n].copy_(kv[layer, 0, skip + at : skip + at + n], non_blocking=True)
                 v[first : first + n].copy_(kv[layer, 1, skip + at : skip + at + n], non_blocking=True)
