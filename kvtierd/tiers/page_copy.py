@@ -3,13 +3,14 @@
     chunk KV  [layers, 2 (K, V), pages, block_size, kv_heads, head_dim]
     device    per layer K and V  [num_blocks, block_size, kv_heads, head_dim]
 
-A chunk's pages are wherever the pool put them. In a CPU pool each layer's K
-and V move in one indexed copy (`index_select` / `index_copy_`), however the
-pages are scattered: a copy per run of consecutive pages cost one torch call
-per page of a scattered chunk (16 scattered pages, 30 layers: 13.7 ms against
-1.2 ms indexed, one thread). A CUDA pool copies each run as one slice per
-layer and K/V (host and device memory on either side; compaction makes runs
-long).
+A chunk's pages are wherever the pool put them. Out of a CPU pool, each
+layer's K and V move in one `index_select`, however scattered the pages: a
+copy per run of consecutive pages cost a torch call per page of a scattered
+chunk (16 scattered pages, 30 layers, one thread: 13.7 ms against 1.2 ms).
+Into the pool, and out of a CUDA one, each run of consecutive page ids is one
+slice copy per layer and K/V: `index_copy_` measured 2.4x slower than one
+run for a load's fresh pages (consecutive, as a rule), and worse on the byte
+view a raw payload arrives in.
 """
 
 from __future__ import annotations
@@ -61,18 +62,12 @@ class PageCopier:
         device pages `block_ids`. With `payload` (kv's bytes), hashes each layer's bytes right after the copy
         read them, while they are in cache, and returns the payload's xxh3_64."""
         dev = self._device
-        indexed = dev.device.type == "cpu"
-        index = torch.tensor(block_ids, dtype=torch.int64) if indexed else None
-        runs = [] if indexed else page_runs(block_ids)
-        end = skip + len(block_ids)
+        runs = page_runs(block_ids)
         hasher = xxhash.xxh3_64()
         per_layer = len(payload) // len(dev.kv_caches) if payload is not None else 0
         for layer, (k, v) in enumerate(dev.kv_caches):
             if kv.dtype != k.dtype:  # bytes (a payload at an unaligned offset): the pages seen as bytes too
                 k, v = k.view(kv.dtype), v.view(kv.dtype)
-            if indexed:
-                k.index_copy_(0, index, kv[layer, 0, skip:end])
-                v.index_copy_(0, index, kv[layer, 1, skip:end])
             for at, first, n in runs:
                 k[first : first + n].copy_(kv[layer, 0, skip + at : skip + at + n], non_blocking=True)
                 v[first : first + n].copy_(kv[layer, 1, skip + at : skip + at + n], non_blocking=True)
