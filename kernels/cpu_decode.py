@@ -6,15 +6,16 @@ it. The C kernel reads the pages in place, once per KV head. It is compiled
 with the system C compiler (`cc`, or `$CC`) for this CPU (`-march=native`),
 once per head_dim; the library is kept in `$KVTIERD_KERNEL_CACHE_DIR` (the
 systemd units: /var/cache/kvtierd/cpu-kernels) or else under the user's cache
-directory (`$XDG_CACHE_HOME/kvtierd/cpu-kernels`), named by a digest of the source, the
-flags, the compiler and the CPU's flags, so a host that shares a home with a
-different CPU builds its own. Without a compiler the model keeps the torch path
-(`kvtierctl status` names the backend in use).
+directory (`$XDG_CACHE_HOME/kvtierd/cpu-kernels`), named by a digest of the
+source, the flags, the compiler and the CPU's flags, so a host that shares a
+home with a different CPU builds its own. Without a compiler the model keeps
+the torch path (`kvtierctl status` names the backend in use).
 
 The kernel shares its (sequence, KV head) items among OpenMP threads, as many
 as torch computes with at the call (`engine/step_threads.py` may leave one to
-the tiers), or one for a call too small to pay for waking the others. Built with `-fopenmp`, the library binds to the libgomp torch loaded
-first, so they are torch's own threads, not a second pool spinning beside it.
+the tiers), or one for a call too small to pay for waking the others. Built
+with `-fopenmp`, the library binds to the libgomp torch loaded first, so they
+are torch's own threads, not a second pool spinning beside it.
 """
 
 from __future__ import annotations

@@ -20,11 +20,11 @@ TIER_CODECS = ("auto", *CODEC_NAMES)
 
 
 def resolve_codec(codec: str, tier: str) -> str:
-    """The codec a tier uses. "auto" on disk: raw. zstd over byte planes saves a third of
-    16-bit KV's bytes (a fifth of 32-bit KV's), but it decodes at ~0.6 GB/s a core and encodes at ~0.2, while
-    an SSD reads raw chunks at 1-3 GB/s: on disk it cost restores and stores more than the bytes it saved
-    (`kvtierd bench tiers` measures both; a slow disk may want zstd-planes). "auto" for the fleet:
-    zstd-planes, since the shared server's memory and the network are what is short there."""
+    """The codec a tier uses. "auto" on disk: raw. zstd over byte planes saves a third of 16-bit KV's bytes
+    (a fifth of 32-bit KV's), but decodes at ~0.5 GB/s a core and encodes at ~0.2, while an SSD reads raw
+    chunks at 1-3 GB/s: on disk it cost restores and stores more than the bytes it saved (`kvtierd bench
+    tiers` measures both; a slow disk may want zstd-planes). "auto" for the fleet: zstd-planes, since the
+    shared server's memory and the network are what is short there."""
     if codec != "auto":
         return codec
     return "raw" if tier == "disk" else "zstd-planes"
