@@ -6,11 +6,11 @@ import shutil
 import numpy as np
 import pytest
 import torch
+from paged_fixtures import scattered_batch
 
 from kvtierd.kernels import cpu_backend, reference
 from kvtierd.kernels.backend import select_backend
 from kvtierd.kernels.cpu_decode import cpu_decode_kernel
-from kvtierd.kernels.paged_batch import PagedBatch
 
 BLOCK, KV_HEADS, HEADS = 16, 3, 9
 
@@ -19,18 +19,6 @@ BLOCK, KV_HEADS, HEADS = 16, 3, 9
 def _compiler():
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler: the model keeps the torch path (checked by test_the_backend_*)")
-
-
-def _batch(context_lens, query_lens, num_decodes, gen, num_pages=600):
-    pages = torch.randperm(num_pages, generator=gen).tolist()
-    tables, used = [], 0
-    for ctx in context_lens:
-        n = -(-ctx // BLOCK)
-        tables.append(pages[used : used + n])
-        used += n
-    slots = [tables[i][(ctx - query_lens[i] + j) // BLOCK] * BLOCK + (ctx - query_lens[i] + j) % BLOCK
-             for i, ctx in enumerate(context_lens) for j in range(query_lens[i])]
-    return PagedBatch.build(BLOCK, num_decodes, query_lens, context_lens, tables, slots, torch.device("cpu")), tables
 
 
 def _naive_decode(q, k, v, scale):
@@ -48,7 +36,7 @@ def test_decodes_attend_as_written_out(dim, threads):
     k_cache = torch.randn(600, BLOCK, KV_HEADS, dim, generator=gen).bfloat16()
     v_cache = torch.randn(600, BLOCK, KV_HEADS, dim, generator=gen).bfloat16()
     context_lens = [40, 2100, 1, 1000, 17, 3000]  # one long row holds most tokens: the split is by tokens
-    batch, tables = _batch(context_lens, [1] * 6, 6, gen)
+    batch, tables = scattered_batch(context_lens, [1] * 6, 6, BLOCK, 600, gen)
     qkv = torch.randn(6, HEADS + 2 * KV_HEADS, dim, generator=gen).bfloat16()
     q = qkv[:, :HEADS]  # strided rows, as the model hands them over
     out = torch.empty(6, HEADS, dim, dtype=torch.bfloat16)
@@ -74,7 +62,7 @@ def test_a_mixed_step_matches_the_torch_reference_and_the_backend_is_chosen_for_
     k_cache = torch.randn(600, BLOCK, KV_HEADS, 64, generator=gen).bfloat16()
     v_cache = torch.randn(600, BLOCK, KV_HEADS, 64, generator=gen).bfloat16()
     context_lens, query_lens = [40, 1000, 45, 130, 64], [1, 1, 1, 30, 64]
-    batch, _ = _batch(context_lens, query_lens, 3, gen)
+    batch, _ = scattered_batch(context_lens, query_lens, 3, BLOCK, 600, gen)
     q = torch.randn(sum(query_lens), HEADS, 64, generator=gen).bfloat16()
     backend = select_backend(torch.device("cpu"), torch.bfloat16, torch.bfloat16, 64)
     assert backend.name == "cpu-c-decode"

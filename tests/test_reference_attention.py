@@ -1,9 +1,9 @@
 """The torch reference attention over pages, against attention written out by hand in float64."""
 
 import torch
+from paged_fixtures import scattered_batch
 
 from kvtierd.kernels import reference
-from kvtierd.kernels.paged_batch import PagedBatch
 
 BLOCK, KV_HEADS, HEADS, DIM = 16, 3, 9, 64
 
@@ -27,15 +27,7 @@ def test_decodes_of_very_different_contexts_and_a_prefill_chunk_attend_as_writte
     # Five decodes (short and long contexts, interleaved) and a 30-token chunk after 100 cached tokens.
     context_lens = [40, 1000, 45, 2100, 1, 130]
     query_lens = [1, 1, 1, 1, 1, 30]
-    pages = torch.randperm(400, generator=gen).tolist()
-    tables, used = [], 0
-    for ctx in context_lens:
-        n = -(-ctx // BLOCK)
-        tables.append(pages[used : used + n])
-        used += n
-    slots = [tables[i][(ctx - query_lens[i] + j) // BLOCK] * BLOCK + (ctx - query_lens[i] + j) % BLOCK
-             for i, ctx in enumerate(context_lens) for j in range(query_lens[i])]
-    batch = PagedBatch.build(BLOCK, 5, query_lens, context_lens, tables, slots, torch.device("cpu"))
+    batch, tables = scattered_batch(context_lens, query_lens, 5, BLOCK, 400, gen)
     q = torch.randn(sum(query_lens), HEADS, DIM, generator=gen)
     plan = reference.ReferencePlan.build(batch)
     assert len(plan.decode_groups) == 3  # {1, 40, 45}, {1000}, {2100}: no short context padded to a long one

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtierd.bench.report import median_time
+from kvtierd.bench.report import machine, median_time
 from kvtierd.engine.config import EngineConfig
 from kvtierd.engine.llm_engine import LLMEngine
 from kvtierd.engine.sampling_params import SamplingParams
@@ -35,19 +35,8 @@ WARM_TURNS = 5
 
 def cpu_description() -> str:
     """The CPU's model name and the ISA flags that decide which kernels run."""
-    name, flags = "unknown CPU", set()
-    try:
-        for line in open("/proc/cpuinfo", encoding="utf-8"):
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                name = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-                break
-    except OSError:
-        pass
-    isa = [f for f in ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "amx_int8") if f in flags]
-    return f"{name} [{' '.join(isa) or 'no AVX-512/AMX'}]"
+    m = machine()
+    return f"{m['cpu']} [{' '.join(m['isa']) or 'no AVX2/AVX-512/AMX'}]"
 
 
 def memory_read_bandwidth(num_bytes: int = 1 << 30, repeats: int = 5) -> float:
