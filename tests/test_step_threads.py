@@ -28,6 +28,13 @@ def test_background_work_counts_each_task_from_submission_to_its_end():
         pool.shutdown(wait=True)
 
 
+def test_counted_work_counts_while_it_runs():
+    work = BackgroundWork()
+    with work.counted():
+        assert work.busy
+    assert not work.busy
+
+
 def test_a_step_leaves_one_thread_to_pending_background_work():
     before = torch.get_num_threads()
     pending = [False]

@@ -134,6 +134,59 @@ def test_a_deferred_task_counts_from_its_start_and_a_cancelled_one_never():
         pool.shutdown(wait=True)
 
 
+def test_hurry_starts_the_tasks_waiting_now_and_not_later_ones():
+    work = BackgroundWork()
+    steps = EngineSteps(work)
+    pool = work.pool(1, "test-hurry", defer_s=FOREVER_S)
+    waiting = pool.submit(lambda: "written")
+    try:
+        assert until(lambda: work.num_deferred == 1)
+        work.hurry()  # a caller about to wait for it
+        assert waiting.result(WAIT_S) == "written"
+        later = pool.submit(lambda: "later")
+        assert until(lambda: work.num_deferred == 1) and not later.done()  # it waits for the engine again
+        steps.go_idle()
+        assert later.result(WAIT_S) == "later"
+    finally:
+        steps.go_idle()
+        pool.shutdown(wait=True)
+
+
+def test_a_next_turn_runs_before_the_last_turns_copy_and_the_pages_go_back_once_it_is_made(loaded, make_engine,
+                                                                                            tmp_path):
+    """A chat's next turn, sent as its reply ends, finds the turn's store waiting for an idle spell (its copy
+    out of the pages too): the turn runs first, and the pages the store held go back once it is copied."""
+    tok = loaded.tokenizer
+    engine = make_engine(tiers=TierConfig(host_bytes=0, disk_bytes=256 << 20, disk_path=tmp_path, chunk_pages=4,
+                                          store_defer_ms=int(FOREVER_S * 1e3)))
+    writer = engine.tiers.disk_tier.writer
+    reply = SamplingParams(max_tokens=4, temperature=0.0)
+    first = [{"role": "user", "content": "Notes on paging, step by step. " * 12}]
+
+    async def main() -> None:
+        a = AsyncEngine(engine)
+        await a.start()
+        try:
+            held_open = a.generate(tok.encode_chat([{"role": "user", "content": "Keep going."}]),
+                                   SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True))
+            await held_open.__anext__()  # a request that keeps the engine busy while the turns run
+            text = [o.text async for o in a.generate(tok.encode_chat(first), reply, session_id="s")]
+            following = first + [{"role": "assistant", "content": "".join(text)}, {"role": "user", "content": "And?"}]
+            async for _ in a.generate(tok.encode_chat(following), reply, session_id="s"):
+                pass
+            assert BACKGROUND_WORK.num_deferred == 2 and writer.num_written == 0  # the first turn's copy waits
+            assert engine.kv.stores.num_copying >= 1  # ... holding its pages
+            await held_open.aclose()  # idle: the copies are made, the writes land, the pages go back
+            assert await asyncio.to_thread(until, lambda: writer.num_written >= 1 and not engine.kv.stores.num_copying)
+        finally:
+            await a.stop()
+
+    try:
+        asyncio.run(main())
+    finally:
+        engine.close()
+
+
 def test_a_running_request_holds_a_turns_disk_write_back_until_it_ends_or_the_engine_stops(loaded, make_engine,
                                                                                           tmp_path):
     tok = loaded.tokenizer
@@ -152,8 +205,9 @@ def test_a_running_request_holds_a_turns_disk_write_back_until_it_ends_or_the_en
         await long.__anext__()  # it runs
         async for _ in a.generate(prompt(session), turn, session_id=session):
             pass
-        assert await asyncio.to_thread(until, lambda: BACKGROUND_WORK.num_deferred == 1)
-        assert await asyncio.to_thread(until, lambda: not BACKGROUND_WORK.busy)  # its copy out is made
+        # Its copy out of the pages and its write both wait, and neither takes a core from the steps.
+        assert await asyncio.to_thread(until, lambda: BACKGROUND_WORK.num_deferred == 2)
+        assert await asyncio.to_thread(until, lambda: not BACKGROUND_WORK.busy)
         return long
 
     async def main() -> None:

@@ -4,6 +4,7 @@ logprobs equal the same prompt computed from scratch."""
 
 from __future__ import annotations
 
+import threading
 from functools import partial
 
 import engine_runs
@@ -12,6 +13,7 @@ from engine_runs import assert_same_output, tokens
 
 from kvtierd.cache.block_hash import hash_full_blocks
 from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.config import TierConfig
 
 # Replies of 8 tokens: the chain lengths the assertions below count on.
@@ -100,6 +102,26 @@ def test_an_invalidation_reaches_the_lower_tiers(loaded, make_engine):
     push_out(engine, tok, prompt)
     engine.invalidate_tenant("")
     assert run_one(engine, prompt)[0].num_cached_tokens == 0
+
+
+def test_a_prefetch_waiting_or_finding_nothing_leaves_the_step_every_thread(loaded, make_engine, tmp_path):
+    """A new prompt's prefetch looks the tiers below up and, usually, finds nothing: it must not take a core
+    from the prompt's own first step (which started while the lookup ran, it did, for the whole prefill)."""
+    tok = loaded.tokenizer
+    engine = tiered(make_engine, disk=tmp_path)
+    gate = threading.Event()
+    engine.tiers._prefetcher._pool.submit(gate.wait)  # the prefetch thread is busy: the request's prefetch waits
+    try:
+        rid = engine.add_request(ask(tok, TOPICS[0]), run_one.keywords["params"])
+        assert not BACKGROUND_WORK.busy
+        engine.step()
+        assert engine.last_step.threads == engine.step_threads.num_threads
+    finally:
+        gate.set()
+    engine.tiers.wait()
+    assert not BACKGROUND_WORK.busy and engine.tier_stats()[1].prefetched == 0
+    engine.abort_request(rid)
+    engine.close()
 
 
 def test_a_request_prefetches_its_chunks_from_disk_to_the_host_tier(loaded, make_engine, cold, tmp_path):

@@ -260,8 +260,8 @@ class KVCacheManager:
                       session: bool = True) -> tuple[bytes, ...]:
         return self.stores.write_through(self._tables[seq_id], root, token_ids, session)
 
-    def reap_stores(self, wait: bool = False) -> None:
-        self.stores.reap_stores(wait)
+    def reap_stores(self, timeout_s: float | None = 0.0) -> bool:
+        return self.stores.reap_stores(timeout_s)
 
     def flush_below(self) -> bool:
         return self.stores.flush_below(self.sessions)
@@ -349,7 +349,7 @@ class KVCacheManager:
         """Where each live page goes (cache/compaction.py). Copy `plan.copies` on the device, then
         `apply_compaction(plan)`, with nothing in between: call between two engine steps."""
         self.demote_evicted()  # evicted chunks are saved below from the pages they are in now
-        self.reap_stores(wait=True)  # no store may be reading a page while it moves
+        self.reap_stores(None)  # no store may be reading a page while it moves
         return plan_compaction(self.page_use())
 
     def apply_compaction(self, plan: CompactionPlan) -> None:

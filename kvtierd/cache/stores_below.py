@@ -6,20 +6,23 @@ anything writes into them (their chunks were logged by the block pool,
 eviction while the engine is idle, so evicting them later copies nothing. A
 session's finished turn is written through to disk and the fleet's
 (`write_through`): its pages stay referenced until the store-copy thread
-has copied them out, and go back between steps (`reap_stores`).
+has copied them out, and go back between steps (`reap_stores`). That copy
+yields to steps like the writes it feeds (tiers/background_work.py), so a
+chat's next turn, sent as the reply ends, runs before that copy, not behind it.
 `flush_below` queues what should outlive a restart.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 from kvtierd.cache.block_hash import BlockHash
 from kvtierd.cache.block_pool import BlockPool
 from kvtierd.cache.evicted_chunks import EvictedChunk
 from kvtierd.cache.page_table import PageTable
 from kvtierd.cache.session_pool import SessionPools
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, spans_of
 from kvtierd.tiers.tier_manager import TierManager
 
@@ -73,18 +76,29 @@ class StoresBelow:
             self._storing.append((copied, held))
         return keys
 
-    def reap_stores(self, wait: bool = False) -> None:
-        """Lets go of the pages of stores whose copy out of the device is made (all of them, waiting, with
-        `wait`); call between steps."""
+    @property
+    def num_copying(self) -> int:
+        """Stores whose copy out of the device is not made yet (each holding its pages)."""
+        return len(self._storing)
+
+    def reap_stores(self, timeout_s: float | None = 0.0) -> bool:
+        """Lets go of the pages of stores whose copy out of the device is made, waiting up to `timeout_s` for
+        the others (None: for all of them, started now rather than at their deferral's end). Call between
+        steps. True while some are still to be copied."""
+        if self._storing and timeout_s != 0:
+            if timeout_s is None:
+                BACKGROUND_WORK.hurry()
+            wait([f for copied, _ in self._storing for f in copied], timeout_s)
         still = []
         for copied, held in self._storing:
-            if wait or all(f.done() for f in copied):
+            if all(f.done() for f in copied):
                 for f in copied:
-                    f.exception()  # waits; a failed copy is the writer's to log (it stores nothing)
+                    f.exception()  # a failed copy is the writer's to log (it stores nothing)
                 self.pool.release(held)
             else:
                 still.append((copied, held))
         self._storing = still
+        return bool(still)
 
     def flush_below(self, sessions: SessionPools) -> bool:
         """Queues for the disk tier what should outlive a restart: the sessions' resident pages and the

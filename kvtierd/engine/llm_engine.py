@@ -26,10 +26,6 @@ from kvtierd.engine.model_runner import ModelRunner
 from kvtierd.engine.request import FinishReason, Request, RequestOutput, TokenLogprob
 from kvtierd.engine.sampler import sample, token_logprobs
 from kvtierd.engine.sampling_params import SamplingParams
-
-# The tenant name of the public namespace; real tenants are user names or
-# header values of [A-Za-z0-9._@:-], so no tenant can be called this.
-PUBLIC_NAMESPACE = "<public>"
 from kvtierd.engine.scheduler import Scheduler, StepPlan
 from kvtierd.engine.step_cost import StepCostModel
 from kvtierd.engine.step_threads import StepThreads
@@ -41,7 +37,15 @@ from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.tier_manager import TierManager
 from kvtierd.tiers.tier_stats import TierStats
 
+# The tenant name of the public namespace; real tenants are user names or
+# header values of [A-Za-z0-9._@:-], so no tenant can be called this.
+PUBLIC_NAMESPACE = "<public>"
+# How long an idle slice waits for the finished turns' store copies: a request arriving meanwhile waits this
+# long at most before its first step.
+IDLE_STORE_WAIT_S = 0.005
+
 log = logging.getLogger(__name__)
+
 
 @dataclass(slots=True)
 class EngineCounters:
@@ -427,20 +431,21 @@ class LLMEngine:
 
     def on_idle(self) -> bool:
         """Work for the step thread once no request is left, one slice per call, so a request arriving meanwhile
-        waits for one slice at most: first a compaction if the pages are fragmented, then the free-page
-        watermark, a chunk per call: the chunks of the idle pages that the next step's allocations would evict
-        (a step's token budget of pages) are saved to the host tier now, so those evictions copy nothing; last,
-        the pages of stores whose copy out is made go back. True while more is due (call again while idle)."""
-        self.kv.reap_stores()  # stores whose copy out is made let go of their pages
+        waits for one slice at most: first the free-page watermark, a chunk per call: the chunks of the idle
+        pages that the next step's allocations would evict (a step's token budget of pages) are saved to the
+        host tier now, so those evictions copy nothing; then the finished turns' stores, whose copies out of
+        the pages start once the engine has been idle a moment (tiers/background_work.py): a short wait per
+        call, and their pages go back; last, with no store reading a page, a compaction if the pages are
+        fragmented. True while more is due (call again while idle)."""
         if self._idle_saved is None:  # the first slice of this idle spell
-            self.compact_if_fragmented()
             self._idle_saved = 0
-            return self.tiers is not None
         if self.tiers is not None and self._idle_saved < -(-self.config.max_num_batched_tokens // self.config.block_size):
             self._idle_saved += self.tiers.chunk_pages
             self.kv.save_ahead(self._idle_saved)
             return True
-        self.kv.reap_stores(wait=True)  # the last slice: what the stores still copy is done in a moment
+        if self.kv.reap_stores(IDLE_STORE_WAIT_S):
+            return True
+        self.compact_if_fragmented()
         return False
 
     def compact_if_fragmented(self) -> CompactionResult | None:

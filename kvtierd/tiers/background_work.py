@@ -6,25 +6,28 @@ mostly outside the GIL (zstd, hashing, memcpy, LMDB, sockets), so it runs
 beside a step on another core; the engine reads `busy` before each step
 (engine/step_threads.py). A task counts from its submission until it ends (or
 is cancelled). Lookups are not counted: they wait on a store far more than
-they compute. One count for the process, as its cores and torch's threads are
+they compute; a prefetch counts only while it copies a chunk up (`counted`). One count for the process, as its cores and torch's threads are
 the process's.
 
 Stores are on no request's path, so the pools given a `defer_s` (the lower
-tiers' writers) yield to steps: each of their tasks waits while an engine has
+tiers' writers, and the store-copy thread that feeds them a finished turn's
+pages) yield to steps: each of their tasks waits while an engine has
 steps to run (`engine_has_steps`) and starts once every engine has been idle
 for IDLE_SPELL_S, or `defer_s` after its submission at the latest, so a
 daemon that never pauses still stores, later. Such a task counts only once it
 starts: waiting, it takes no core, and the step keeps all its threads.
-Shutting a pool down lets its waiting tasks start at once. Loads and
-prefetches never wait: a request waits for them.
+Shutting a pool down, or `hurry` (a caller about to wait for them), lets
+the waiting tasks start at once. Loads and prefetches never wait: a request
+waits for them.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 
 # How long the engines stay idle before deferred tasks start. A started chunk is not stopped for a step, and the
 # gap between one request's end and the next one's steps (a chat's next turn sent on the reply, a busy
@@ -40,6 +43,7 @@ class BackgroundWork:
         self._deferred = 0  # tasks waiting for the engines' idle spells
         self._engines_with_steps = 0
         self._idle_since = float("-inf")  # monotonic time the engines last went idle
+        self._hurried_at = float("-inf")  # deferred tasks submitted before this monotonic time start now
 
     @property
     def busy(self) -> bool:
@@ -60,6 +64,23 @@ class BackgroundWork:
                 self._idle_since = time.monotonic()
                 self._gate.notify_all()
 
+    def hurry(self) -> None:
+        """Lets every deferred task submitted so far start now: for a caller about to wait for one between
+        steps, which would otherwise wait out its deferral."""
+        with self._lock:
+            self._hurried_at = time.monotonic()
+            self._gate.notify_all()
+
+    @contextmanager
+    def counted(self) -> Iterator[None]:
+        """Counts what runs inside it: for a thread whose work only sometimes computes (a prefetch computes
+        only once its lookup found something to copy up)."""
+        self._add(1)
+        try:
+            yield
+        finally:
+            self._add(-1)
+
     def pool(self, max_workers: int, thread_name_prefix: str, defer_s: float = 0.0) -> ThreadPoolExecutor:
         """A worker pool whose tasks count; with `defer_s` > 0, each yields to steps for up to that long."""
         if defer_s > 0:
@@ -70,12 +91,12 @@ class BackgroundWork:
         with self._lock:
             self._pending += n
 
-    def _start_deferred(self, deadline: float, shut: Callable[[], bool]) -> None:
-        """Waits until the engines have been idle for IDLE_SPELL_S, the monotonic `deadline` or `shut()`; then
-        counts the task that called it."""
+    def _start_deferred(self, submitted: float, deadline: float, shut: Callable[[], bool]) -> None:
+        """Waits until the engines have been idle for IDLE_SPELL_S, the monotonic `deadline`, `shut()` or a
+        `hurry` after its `submitted` time; then counts the task that called it."""
         with self._lock:
             self._deferred += 1
-            while not shut() and (now := time.monotonic()) < deadline:
+            while not shut() and submitted > self._hurried_at and (now := time.monotonic()) < deadline:
                 if self._engines_with_steps:
                     self._gate.wait(deadline - now)
                 elif now < (idle_enough := self._idle_since + IDLE_SPELL_S):
@@ -116,16 +137,16 @@ class _DeferringPool(ThreadPoolExecutor):
         self._shutting = False
 
     def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
-        deadline = time.monotonic() + self._defer_s
-        return super().submit(self._deferred, deadline, fn, args, kwargs)  # a cancelled one never counted
+        now = time.monotonic()
+        return super().submit(self._deferred, now, now + self._defer_s, fn, args, kwargs)  # a cancelled one never counted
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self._shutting = True  # what waits starts now: closing never waits for the engines (`_shut` wakes it)
         self._work._shut()
         super().shutdown(wait, cancel_futures=cancel_futures)
 
-    def _deferred(self, deadline: float, fn: Callable, args: tuple, kwargs: dict) -> object:
-        self._work._start_deferred(deadline, lambda: self._shutting)
+    def _deferred(self, submitted: float, deadline: float, fn: Callable, args: tuple, kwargs: dict) -> object:
+        self._work._start_deferred(submitted, deadline, lambda: self._shutting)
         try:
             return fn(*args, **kwargs)
         finally:

@@ -9,10 +9,11 @@ are dropped and counted, never waited for.
 
 Its work yields to the engine's steps (`defer_s`, tiers/background_work.py):
 a chunk, and whatever is queued behind it, waits while the engine has steps
-to run, up to `defer_s` after its submission. The copy out of the device is
-not deferred (the store-copy thread makes it at once and the pages go back),
-so a deferred chunk holds host memory, counted in `max_pending_bytes`, not
-device pages. `close` writes what waits without further delay.
+to run, up to `defer_s` after its submission. A finished turn's copy out of
+the device yields the same way (its pages stay referenced until it is made);
+an evicted chunk's copy is made at once, before its pages are reused. A
+deferred chunk counts in `max_pending_bytes` from its submission. `close`
+writes what waits without further delay.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
@@ -41,7 +41,9 @@ class Prefetcher:
         self._below = below  # the tiers it copies from
         self._counts = counts
         self._lookup = lookup
-        self._pool = BACKGROUND_WORK.pool(1, "kvtierd-prefetch")
+        # Not a counted pool: most prefetches look a new prompt up, find nothing and end. Had they counted, a
+        # step starting meanwhile (the prompt's own first) would leave them a core for its whole length.
+        self._pool = ThreadPoolExecutor(1, "kvtierd-prefetch")
         self._lock = threading.Lock()
         self._prefetching: dict[bytes, Future] = {}  # host key -> its copy up, until done
         # host key -> the tier a prefetch copied it from, until a load uses it: that load counts for that tier
@@ -65,11 +67,12 @@ class Prefetcher:
                         continue
                     self._prefetching[host_key] = done
                 try:
-                    payload = source.fetch(found.span)
-                    if payload is None:
-                        break  # the chain stops here: what follows is unreachable anyway
-                    self._host.put(host_key, found.span.identity(self._host.geometry),
-                                   lambda out, payload=payload: _copy_bytes(out, payload))
+                    with BACKGROUND_WORK.counted():
+                        payload = source.fetch(found.span)
+                        if payload is None:
+                            break  # the chain stops here: what follows is unreachable anyway
+                        self._host.put(host_key, found.span.identity(self._host.geometry),
+                                       lambda out, payload=payload: _copy_bytes(out, payload))
                     self._note(host_key, found.tier)
                 finally:
                     with self._lock:
@@ -92,9 +95,12 @@ class Prefetcher:
                 if i == len(todo):
                     done.set_result(warmed)
                     return
-                if (claimed := disk.read_claimed(todo[i])) is not None:
-                    identity, payload = claimed
-                    self._host.put(todo[i], identity, lambda out: _copy_bytes(out, payload))
+                with BACKGROUND_WORK.counted():
+                    claimed = disk.read_claimed(todo[i])
+                    if claimed is not None:
+                        identity, payload = claimed
+                        self._host.put(todo[i], identity, lambda out: _copy_bytes(out, payload))
+                if claimed is not None:
                     self._note(todo[i], Tier.DISK)
                     warmed += 1
                 self._pool.submit(step, i + 1, warmed)

@@ -82,8 +82,9 @@ class TierManager:
         self.pins: dict[str, TierPin] = {}  # pin id -> what it holds below the device
         # Loads run here, off the engine's step: the cache manager submits them and collects them between steps.
         self.transfers = TransferQueue(self.load, self.bytes_per_page, self.transfer_stats)
-        # Stores' copies out of the device, off the step: one thread, in submission order.
-        self._store_copier = BACKGROUND_WORK.pool(1, "kvtierd-store-copy")
+        # Finished turns' copies out of the device, off the step: one thread, in submission order, yielding to
+        # steps like the writers it feeds (their pages stay referenced until then).
+        self._store_copier = BACKGROUND_WORK.pool(1, "kvtierd-store-copy", config.store_defer_ms / 1e3)
 
     # The tiers' stores, for reports and per-tenant shares (None: the tier is off).
     @property
