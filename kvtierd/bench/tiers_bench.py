@@ -8,8 +8,9 @@
   is the turn's time to first token through the engine (`add_request` to its
   first token: lookup, load, the prefill of the tokens left, the first decode),
   each repetition on a fresh engine whose device holds nothing, beside the TTFT
-  of the same turn recomputed from scratch. Each restored turn's first token is
-  checked against the recomputed one's.
+  of the same turn recomputed from scratch. The sources take turns within each
+  repetition, so drift in the machine's speed weighs on all alike. Each restored
+  turn's first token is checked against the recomputed one's.
 - Through the daemon: the same comparison as a user sees it, over the socket
   with streaming: a stored session's first turn, a SIGTERM and a restart (the
   session's pages are flushed to disk and warmed back into the host tier), then
@@ -48,6 +49,7 @@ import shutil
 import statistics
 import tempfile
 import time
+from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -296,12 +298,12 @@ def compute_prompt(loaded: LoadedModel, num_tokens: int, repeats: int) -> Comput
 
 
 def run_restore(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, directory: Path) -> RestoreFigures:
-    """The next turn's TTFT with the prompt's KV in one tier only, each repetition on a fresh engine."""
+    """The next turn's TTFT with the prompt's KV in one tier only, each repetition on a fresh engine. The
+    sources take turns within each repetition (device, host, disk warm, disk cold, remote, then again), so
+    a machine whose speed drifts between minutes weighs on each of them alike."""
     spans = c.spans(w.chunk_pages)
     chunk_bytes = w.chunk_pages * c.geometry.bytes_per_block
     device_bytes = 2 * (len(c.next_turn) // BLOCK_SIZE + 2) * c.geometry.bytes_per_block  # the turn, and room
-    rows = []
-
     host = TierConfig(host_bytes=len(spans) * (chunk_bytes + SLOT_SLACK), disk_bytes=0, chunk_pages=w.chunk_pages)
 
     def host_engine() -> LLMEngine:
@@ -319,22 +321,35 @@ def run_restore(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, direct
         run_request(engine, c.next_turn[: len(c.block_hashes) * BLOCK_SIZE + 1], 1, tenant=c.tenant)
         return engine
 
-    rows.append(_restore_row("device", [_next_turn(device_engine(), c) for _ in range(w.restore_repeats)], c))
-    rows.append(_restore_row("host", [_next_turn(host_engine(), c) for _ in range(w.restore_repeats)], c))
-
     directory.mkdir()
     disk = TierConfig(host_bytes=0, disk_bytes=max(MIN_MAP_BYTES, 4 * c.kv.nbytes), disk_path=directory,
                       chunk_pages=w.chunk_pages)
     _seed(loaded, c, disk, w.chunk_pages)  # as a session's finished turn: to disk only
-    rows.append(_restore_row("disk warm", [_next_turn(_engine(loaded, device_bytes, disk), c)
-                                           for _ in range(w.restore_repeats)], c))
-    cold = []
-    for _ in range(w.restore_repeats):
+
+    def disk_cold_engine() -> LLMEngine:
         _drop_page_cache(directory / "data.mdb")  # no engine has it open
-        cold.append(_next_turn(_engine(loaded, device_bytes, disk), c))  # the same epoch file: the same keys
-    rows.append(_restore_row("disk cold", cold, c))
+        return _engine(loaded, device_bytes, disk)  # the same epoch file: the same keys
+
+    with ExitStack() as stack:
+        sources = {"device": device_engine, "host": host_engine, "disk warm": lambda: _engine(loaded, device_bytes, disk),
+                   "disk cold": disk_cold_engine}
+        no_remote = ""
+        if shutil.which(REDIS_SERVER) is None:
+            no_remote = "no redis-server on PATH"
+        else:
+            remote = RemoteConfig(url=stack.enter_context(redis_on_loopback()), secret=secrets.token_bytes(32),
+                                  fleet=f"bench-{secrets.token_hex(4)}")
+            fleet = TierConfig(host_bytes=0, disk_bytes=0, chunk_pages=w.chunk_pages, remote=remote)
+            _seed(loaded, c, fleet, w.chunk_pages)  # a session's turn another host of the fleet computed
+            sources["remote"] = lambda: _engine(loaded, device_bytes, fleet)
+        turns: dict[str, list[_Turn]] = {name: [] for name in sources}
+        for _ in range(w.restore_repeats):
+            for name, engine in sources.items():
+                turns[name].append(_next_turn(engine(), c))
+    rows = [_restore_row(name, t, c) for name, t in turns.items()]
+    if no_remote:
+        rows.append(RestoreRow("remote", None, None, 0, 0, False, skipped=no_remote))
     _, raw_read_s = _raw_file(directory / "raw.bin", [c.kv])
-    rows.append(_remote_row(loaded, c, w, device_bytes))
 
     daemon, why = None, ""
     if not w.daemon:
@@ -345,17 +360,6 @@ def run_restore(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, direct
         daemon = run_daemon_restore(loaded.tokenizer, w.restore_tokens)
     return RestoreFigures(len(c.token_ids), len(c.next_turn), len(c.block_hashes) * BLOCK_SIZE, c.kv.nbytes,
                           len(spans), w.restore_repeats, c.recompute_s * 1e3, raw_read_s * 1e3, rows, daemon, why)
-
-
-def _remote_row(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, device_bytes: int) -> RestoreRow:
-    if shutil.which(REDIS_SERVER) is None:
-        return RestoreRow("remote", None, None, 0, 0, False, skipped="no redis-server on PATH")
-    with redis_on_loopback() as url:
-        remote = RemoteConfig(url=url, secret=secrets.token_bytes(32), fleet=f"bench-{secrets.token_hex(4)}")
-        config = TierConfig(host_bytes=0, disk_bytes=0, chunk_pages=w.chunk_pages, remote=remote)
-        _seed(loaded, c, config, w.chunk_pages)  # a session's turn another host of the fleet computed
-        return _restore_row("remote", [_next_turn(_engine(loaded, device_bytes, config), c)
-                                       for _ in range(w.restore_repeats)], c)
 
 
 def _engine(loaded: LoadedModel, device_bytes: int, tiers: TierConfig) -> LLMEngine:
