@@ -20,7 +20,8 @@ def test_unknown_scenarios_are_refused_before_a_daemon_starts():
 
 def test_stall_bench_measures_the_streams_around_each_load_and_the_next_turns():
     w = StallWorkload(prompt_tokens=300, streams=2, stream_reply_tokens=16, head_start_s=2.0, kv_cache="64MiB",
-                      scenarios=("disk", "remote slow"), turn_tokens=120, turn_later_s=0.5, turn_repeats=1)
+                      scenarios=("disk", "remote slow"), turn_tokens=120, turn_later_s=0.5, turn_repeats=1,
+                      load_repeats=2)
     f = run_stall_bench(w)
     assert f["machine"]["cores"] >= 1 and len(f["load_average"]) == 3
     disk, slow = f["scenarios"]
@@ -31,6 +32,7 @@ def test_stall_bench_measures_the_streams_around_each_load_and_the_next_turns():
     assert disk["loaded_by_tier"].get("disk", 0) >= 256 or disk["restore"]["decision"] == "recompute"
     for r in (disk, slow):
         assert r["stream_errors"] == 0
+        assert r["loads"] == len(r["ttft_load_all_ms"]) == len(r["ttft_recompute_all_ms"]) == 2
         assert r["ttft_load_ms"] > 0 and r["ttft_recompute_ms"] > 0
         assert r["window_ms"] == pytest.approx(r["ttft_load_ms"])
         for window in (r["without_load"], r["with_load"]):

@@ -2,22 +2,24 @@
 
 Real `kvtierd serve` processes on Unix sockets, a real redis-server on loopback
 started by the bench, real streamed clients over the socket. First a writer
-daemon computes one long prompt (random token ids) twice: the fleet gets its
-chunks (remote admission all) and, at its SIGTERM, the disk too (a prefix hit
-once is flushed). Then, per scenario, a fresh daemon whose device and host
-tier hold nothing of it:
+daemon computes each long prompt (random token ids) twice: the fleet gets
+their chunks (remote admission all) and, at its SIGTERM, the disk too (a
+prefix hit once is flushed). Then, per scenario, a fresh daemon whose device
+and host tier hold nothing of them:
 
     disk            the writer's state directory again, the remote tier off; data.mdb's pages dropped from
-                    the OS page cache (POSIX_FADV_DONTNEED) before it starts and before the load
-    remote          a new state directory, disk off: the prompt's KV is in Redis only
+                    the OS page cache (POSIX_FADV_DONTNEED) before it starts and before each load
+    remote          a new state directory, disk off: the prompts' KV is in Redis only
     remote slow     the same through a TCP proxy that holds each Redis call `redis_delay_ms`
-    remote stopped  the same, redis-server stopped right before the load (the last scenario)
+    remote stopped  the same, redis-server stopped right before the first load (the last scenario)
 
 In each, `streams` chat streams decode back to back; after `head_start_s`
-the long prompt is sent (the load), and once it answered, a fresh prompt of
-the same length (nothing cached: the recompute). The streams' inter-token
-gaps (ITL) are taken in the load window (from sending the long prompt to its
-first token) and in the window of the same length right before it:
+a long prompt is sent (the load), and once it answered, a fresh prompt of
+the same length (nothing cached: the recompute); then, after a quiet spell,
+the next of `load_repeats` long prompts the same way. The streams'
+inter-token gaps (ITL) are taken in each load window (from sending the long
+prompt to its first token) and in the window of the same length right before
+it, and pooled over the loads; the TTFTs are medians:
 
     streams   ─┬─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─┬─ ...
                |<---- without load (same length) --->|<--- load window ---->|
@@ -75,6 +77,7 @@ class StallWorkload:
     turn_tokens: int = 1450  # the stores: the long first turn's document
     turn_later_s: float = 6.0
     turn_repeats: int = 2
+    load_repeats: int = 3  # long prompts stored, each loaded once per scenario (TTFTs: median; gaps: pooled)
     seed: int = 0
 
 
@@ -251,32 +254,48 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 # -- one scenario -----------------------------------------------------------------------------------------
 
 
-async def _measure(socket: Path, w: StallWorkload, name: str, prompt: list[int], fresh: list[int],
-                   before_load=None) -> dict:
+async def _measure(socket: Path, w: StallWorkload, name: str, prompts: list[list[int]], fresh: list[list[int]],
+                   before_load=None, before_each=None) -> dict:
+    """Each stored prompt loaded in turn beside the streams, each followed by a fresh prompt of its length (the
+    recompute), then a quiet spell at least as long as the load took, so the next load's window without it
+    holds only the streams' own steps."""
     async with async_client(socket) as client:
         await _chat(client, [{"role": "user", "content": "Say hello."}], 2)  # warm-up, not measured
         log = Streams()
-        prompts = story_prompts(64 * w.streams, w.seed)
-        tasks = [asyncio.create_task(_stream_loop(socket, prompts[i::w.streams], w.stream_reply_tokens, log))
+        stories = story_prompts(64 * w.streams, w.seed)
+        tasks = [asyncio.create_task(_stream_loop(socket, stories[i::w.streams], w.stream_reply_tokens, log))
                  for i in range(w.streams)]
         t_start = time.perf_counter()
         await asyncio.sleep(w.head_start_s)
         if before_load is not None:
             await asyncio.to_thread(before_load)
-        t_send = time.perf_counter()
-        ttft_load, info = await _completion(client, prompt)
-        t_first = t_send + ttft_load
-        await asyncio.sleep(0.5)
-        ttft_recompute, _ = await _completion(client, fresh)
+        quiet_since = t_start + 1.0  # the streams' first second is not steady yet
+        loads, recomputes, windows, infos = [], [], [], []
+        for prompt, other in zip(prompts, fresh, strict=True):
+            if before_each is not None:
+                await asyncio.to_thread(before_each)
+            t_send = time.perf_counter()
+            ttft_load, info = await _completion(client, prompt)
+            await asyncio.sleep(0.5)
+            ttft_recompute, _ = await _completion(client, other)
+            windows.append((max(quiet_since, t_send - ttft_load), t_send, t_send + ttft_load))
+            loads.append(ttft_load * 1e3)
+            recomputes.append(ttft_recompute * 1e3)
+            infos.append(info)
+            await asyncio.sleep(max(1.0, 1.2 * ttft_load))
+            quiet_since = time.perf_counter()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-    window = t_first - t_send
-    base_start = max(t_start + 1.0, t_send - window)  # the streams' first second is not steady yet
+    info = infos[0]
     return {"scenario": name, "loaded_by_tier": {t: n for t, n in info.get("cached_tokens_by_tier", {}).items() if n},
-            "restore": info.get("restore"), "ttft_load_ms": ttft_load * 1e3, "ttft_recompute_ms": ttft_recompute * 1e3,
-            "window_ms": window * 1e3, "baseline_window_ms": (t_send - base_start) * 1e3,
-            "without_load": _itl(log.gaps_ms(base_start, t_send)), "with_load": _itl(log.gaps_ms(t_send, t_first)),
+            "restore": info.get("restore"), "loads": len(loads),
+            "ttft_load_ms": statistics.median(loads), "ttft_recompute_ms": statistics.median(recomputes),
+            "ttft_load_all_ms": loads, "ttft_recompute_all_ms": recomputes,
+            "window_ms": statistics.median((end - send) * 1e3 for _, send, end in windows),
+            "baseline_window_ms": statistics.median((send - base) * 1e3 for base, send, _ in windows),
+            "without_load": _itl([g for base, send, _ in windows for g in log.gaps_ms(base, send)]),
+            "with_load": _itl([g for _, send, end in windows for g in log.gaps_ms(send, end)]),
             "stream_errors": log.errors}
 
 
@@ -328,8 +347,10 @@ def run_stall_bench(w: StallWorkload) -> dict:
         raise ServeBenchError(f"scenarios must be among {', '.join(SCENARIOS)}")
     if w.prompt_tokens < 32 or w.streams < 1:
         raise ServeBenchError("the prompt needs at least 32 tokens and one stream")
+    if w.load_repeats < 1:
+        raise ServeBenchError("load_repeats must be at least 1")
     rng = random.Random(w.seed)
-    prompt = _prompt(rng, w.prompt_tokens)
+    prompts = [_prompt(rng, w.prompt_tokens) for _ in range(w.load_repeats)]
     root = Path(tempfile.mkdtemp(prefix="kvtd-stall-", dir="/tmp"))  # short: socket paths fit sun_path
     results: list[dict] = []
     try:
@@ -341,22 +362,23 @@ def run_stall_bench(w: StallWorkload) -> dict:
             writer.mkdir()
             with started_daemon(root=writer, env=_env(w, host=True, disk=True, remote_url=url, secret=secret,
                                                       admission="all")) as sock:
-                asyncio.run(_store(sock, prompt))
+                asyncio.run(_store(sock, prompts))
                 turns = asyncio.run(_next_turns(sock, w)) if w.turn_repeats else None
             for name in [s for s in SCENARIOS if s in w.scenarios]:
-                fresh = _prompt(random.Random(f"{w.seed}-{name}"), w.prompt_tokens)
+                other = random.Random(f"{w.seed}-{name}")
+                fresh = [_prompt(other, w.prompt_tokens) for _ in range(w.load_repeats)]
                 if name == "disk":
                     _drop_page_cache(writer)
                     with started_daemon(root=writer, env=_env(w, disk=True)) as sock:
-                        results.append(asyncio.run(_measure(sock, w, name, prompt, fresh,
-                                                            lambda: _drop_page_cache(writer))))
+                        results.append(asyncio.run(_measure(sock, w, name, prompts, fresh,
+                                                            before_each=lambda: _drop_page_cache(writer))))
                     continue
                 own = root / name.replace(" ", "-")
                 own.mkdir()
                 stop = _stopper(server) if name == "remote stopped" else None
                 with _remote_url(name, server.port, w) as remote:
                     with started_daemon(root=own, env=_env(w, disk=False, remote_url=remote, secret=secret)) as sock:
-                        results.append(asyncio.run(_measure(sock, w, name, prompt, fresh, stop)))
+                        results.append(asyncio.run(_measure(sock, w, name, prompts, fresh, stop)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for r in results:
@@ -366,11 +388,12 @@ def run_stall_bench(w: StallWorkload) -> dict:
             "next_turn": turns, "targets": {"itl_p99_x": TARGET_ITL_P99_X, "next_turn_x": TARGET_NEXT_TURN_X}}
 
 
-async def _store(socket: Path, prompt: list[int]) -> None:
-    """The long prompt computed (its chunks go to the fleet) and hit once (flushed to disk at SIGTERM)."""
+async def _store(socket: Path, prompts: list[list[int]]) -> None:
+    """Each long prompt computed (its chunks go to the fleet) and hit once (flushed to disk at SIGTERM)."""
     async with async_client(socket) as client:
-        for _ in range(2):
-            await _completion(client, prompt)
+        for prompt in prompts:
+            for _ in range(2):
+                await _completion(client, prompt)
 
 
 @contextmanager

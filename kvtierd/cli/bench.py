@@ -453,6 +453,8 @@ def bench_stall(
                                            "remote stopped.")] = "disk,remote,remote slow,remote stopped",
     turn_tokens: Annotated[int, typer.Option(help="Stores: the long first turn's document tokens.")] = 1450,
     turn_repeats: Annotated[int, typer.Option(help="Stores: next turns of each kind (median; 0: skip).")] = 2,
+    load_repeats: Annotated[int, typer.Option(help="Long prompts loaded per scenario (TTFT: median; ITL gaps: "
+                                              "pooled).")] = 3,
     json_path: JsonOpt = None,
 ) -> None:
     """Running streams' ITL while another request's long prompt loads from disk or Redis (normal, slow, stopped),
@@ -463,7 +465,7 @@ def bench_stall(
     w = StallWorkload(prompt_tokens=prompt_tokens, streams=streams, stream_reply_tokens=stream_reply,
                       head_start_s=head_start, redis_delay_ms=redis_delay_ms, kv_cache=kv_cache,
                       scenarios=tuple(x.strip() for x in scenarios.split(",") if x.strip()),
-                      turn_tokens=turn_tokens, turn_repeats=turn_repeats)
+                      turn_tokens=turn_tokens, turn_repeats=turn_repeats, load_repeats=load_repeats)
     try:
         f = run_stall_bench(w)
     except ServeBenchError as e:
@@ -485,10 +487,14 @@ def bench_stall(
                      "-" if r["itl_p99_x"] is None else f"{r['itl_p99_x']:.2f}", ms(r["ttft_load_ms"]),
                      ms(r["ttft_recompute_ms"])])
     print_table(f"running streams' ITL without / with a {w.prompt_tokens:,}-token prompt loading (ms; "
-                f"{w.streams} streams)",
+                f"{w.streams} streams; {w.load_repeats} loads, TTFT median)",
                 ["scenario", "cached by tier", "gaps", "ITL p50", "p99", "max", "p99 x", "TTFT load",
                  "TTFT recompute"], rows)
     t = f["targets"]
+    typer.echo("TTFT each (load / recompute): " + "; ".join(
+        f"{r['scenario']} " + ", ".join(f"{a:,.0f}/{b:,.0f}" for a, b in zip(r["ttft_load_all_ms"],
+                                                                         r["ttft_recompute_all_ms"]))
+        for r in f["scenarios"]))
     typer.echo(f"window: the load request's TTFT; without: the same length right before it. Targets: ITL p99 <= "
                f"{t['itl_p99_x']:g}x without; slow / stopped Redis: TTFT load <= recompute")
     nt = f["next_turn"]
