@@ -38,6 +38,10 @@ class ChunkStore(Protocol):
         """How many of the leading keys are stored; stops at the first missing one."""
         ...
 
+    def contains_each(self, keys: Sequence[bytes]) -> list[bool]:
+        """Whether each key is stored, in one call (one round trip for a remote store)."""
+        ...
+
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         """The values, None for a miss. A hit counts as a use for the LRU."""
         ...

@@ -170,6 +170,12 @@ class DiskStore:
                     return n
             return len(keys)
 
+    def contains_each(self, keys: Sequence[bytes]) -> list[bool]:
+        self._check_keys(keys)
+        with self._guard(), self._env.begin() as txn:
+            cursor = txn.cursor(db=self._values)
+            return [cursor.set_key(key) for key in keys]
+
     def get_many(self, keys: Sequence[bytes]) -> list[bytearray | None]:
         """The values, read out inside the read transaction into writable buffers of their own."""
         self._check_keys(keys)

@@ -89,6 +89,11 @@ class HostStore:
                     return n
             return len(keys)
 
+    def contains_each(self, keys: Sequence[bytes]) -> list[bool]:
+        with self._lock:
+            self._check_open()
+            return [key in self._index for key in keys]
+
     def get_many(self, keys: Sequence[bytes]) -> list[bytes | None]:
         with self._lock:
             self._check_open()

@@ -118,9 +118,13 @@ class RedisStore:
         self._over_limit: Counter[bytes] = Counter()  # batches refused at their owner's limit
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
+        found = self.contains_each(keys)
+        return next((n for n, there in enumerate(found) if not there), len(found))
+
+    def contains_each(self, keys: Sequence[bytes]) -> list[bool]:
         names = self._names(keys)
         if not names:
-            return 0
+            return []
 
         def exists(client: RedisClient) -> list[int]:
             pipe = client.pipeline(transaction=False)
@@ -128,12 +132,10 @@ class RedisStore:
                 pipe.exists(name)
             return pipe.execute()
 
-        # All asked in one round trip; the answer stops at the first miss. A forged value counts as
-        # present here (EXISTS reads no bytes); get_many refuses it.
+        # All asked in one round trip. A forged value counts as present here (EXISTS reads no bytes); get_many
+        # refuses it. None: the server failed (answered as a miss, and counted).
         found = self._call(exists)
-        if found is None:
-            return 0
-        return next((n for n, there in enumerate(found) if not there), len(names))
+        return [bool(there) for there in found] if found is not None else [False] * len(names)
 
     def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
         """The frames, each a read-only view into the value redis-py read (one copy off the socket, none

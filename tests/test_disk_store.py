@@ -43,7 +43,8 @@ def test_put_get_contains_delete(store: DiskStore) -> None:
     assert store.get_many([key(0), key(9), key(2)]) == [value(0), None, value(2)]
     assert store.contains_prefix([key(0), key(1), key(2)]) == 3
     assert store.contains_prefix([key(0), key(9), key(2)]) == 1
-    assert store.contains_prefix([]) == 0
+    assert store.contains_each([key(9), key(2), key(0)]) == [False, True, True]  # past a miss too
+    assert store.contains_prefix([]) == 0 and store.contains_each([]) == []
     assert store.delete_many([key(1), key(9)]) == 1
     assert store.contains_prefix([key(0), key(1), key(2)]) == 1
     stats = store.stats()

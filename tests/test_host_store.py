@@ -43,6 +43,7 @@ def test_put_get_contains_delete() -> None:
     assert store.put_many([(key(0), value(0)), (key(1), value(1, 10)), (key(2), b"")])
     assert store.get_many([key(0), key(1), key(2), key(3)]) == [value(0), value(1, 10), b"", None]
     assert store.contains_prefix([key(0), key(1), key(3), key(2)]) == 2
+    assert store.contains_each([key(3), key(2), key(0)]) == [False, True, True]  # past a miss too
     assert store.delete_many([key(1), key(3)]) == 1
     stats = store.stats()
     assert (stats.num_entries, stats.bytes_used, stats.num_puts, stats.num_gets, stats.num_hits) == (2, SLOT, 3, 4, 3)

@@ -73,6 +73,7 @@ def test_put_get_contains_delete(store: RedisStore) -> None:
     assert store.get_many([key(0), key(9), key(2)]) == [value(0), None, value(2)]
     assert store.contains_prefix([key(0), key(1), key(2)]) == 3
     assert store.contains_prefix([key(0), key(9), key(2)]) == 1
+    assert store.contains_each([key(9), key(2), key(0)]) == [False, True, True]  # past a miss too
     assert store.delete_many([key(1), key(9)]) == 1
     assert store.contains_prefix([key(0), key(1)]) == 1
     stats = store.stats()
@@ -87,6 +88,7 @@ def test_a_key_given_twice_keeps_its_last_value_and_empty_batches_cost_nothing(s
     assert store.put_many([(key(1), b"first"), (key(1), b"second")])
     assert store.get_many([key(1)]) == [b"second"]
     assert store.put_many([]) and store.get_many([]) == [] and store.contains_prefix([]) == 0
+    assert store.contains_each([]) == []
     assert store.delete_many([]) == 0
     assert store.stats().num_gets == 1
 

@@ -106,6 +106,29 @@ def test_the_lookup_finds_the_longest_stored_prefix():
     assert tiers.lookup(ROOT, other, other_tokens, 0) == []
 
 
+def test_a_lookup_asks_each_tier_once_per_run_and_once_for_the_partial_chunk(tmp_path):
+    """A slow tier (a Redis with a delay) costs its delay per call: the partial last chunk's lengths are asked
+    in one call, not one call each (a new prompt's lookup waited 15 round trips)."""
+    device = make_device()
+    tiers = TierManager(TierConfig(host_bytes=0, disk_bytes=64 << 20, disk_path=tmp_path, chunk_pages=4), device)
+    hashes, tokens = chain(6)
+    spans = spans_of(ROOT, hashes, tokens, GEOMETRY.block_size, 4)
+    tiers.write_turn([ChunkCopy(s, tuple(range(s.first_page, s.first_page + s.num_pages))) for s in spans], True)
+    tiers.wait()
+    calls = []
+    disk = tiers.disk
+    for name in ("contains_prefix", "contains_each"):
+        real = getattr(disk, name)
+        setattr(disk, name, lambda keys, real=real, name=name: calls.append(name) or real(keys))
+    longer, longer_tokens = chain(11)
+    assert layout(tiers.lookup(ROOT, longer, longer_tokens, 0)) == [("disk", 0, 4), ("disk", 4, 2)]
+    assert calls == ["contains_prefix", "contains_prefix", "contains_each"]
+    calls.clear()
+    other, other_tokens = chain(11, seed=1)
+    assert tiers.lookup(ROOT, other, other_tokens, 0) == [] and calls == ["contains_prefix", "contains_each"]
+    tiers.close()
+
+
 def test_a_partial_device_hit_loads_only_the_missing_pages():
     device = make_device()
     tiers = make_tiers(device)

@@ -160,6 +160,36 @@ def test_a_load_past_its_deadline_turns_into_a_recompute_with_the_same_output(lo
     assert engine.kv.pool.num_used_blocks == 0 and engine.tiers.transfers.num_in_flight == 0
 
 
+def test_a_lookup_slower_than_its_share_of_the_recompute_estimate_turns_into_a_recompute(loaded, make_engine):
+    """A lookup is waited for a tenth of the estimate of recomputing (LOOKUP_WAIT_SHARE), not the whole of it:
+    a tier slow to answer (a Redis with a delay) would be as slow to load."""
+    tok = loaded.tokenizer
+    engine, prompt = prompt_below_the_device(make_engine, tok)
+    slow_prefill(engine)  # the whole estimate: minutes
+    now = [0.0]
+    engine.kv.loading._clock = lambda: now[0]  # the lookup's deadline, on a clock the test moves
+    gate = threading.Event()
+    stuck = [engine.tiers.transfers.look_up(lambda: gate.wait() and []) for _ in range(2)]  # every lookup worker
+    rid = engine.add_request(prompt, PARAMS)  # its lookup queues behind them
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.loading] == [rid]
+    deadline = engine.kv.loading._tickets[rid].deadline
+    assert 0 < deadline <= 0.1 * len(prompt)  # the estimate, in seconds, is at most its prompt's tokens
+    now[0] = deadline - 1e-3
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.loading] == [rid]  # within its share: it still waits
+    now[0] = deadline + 1e-3
+    outs = run_rest(engine, rid)
+    assert outs[0].num_cached_tokens == outs[0].cached_tokens_by_tier["device"] < 64  # nothing came from below
+    assert engine.tiers.transfers.stats.loads_past_deadline == 1
+    assert_same_output(outs, cold_run(make_engine, prompt))
+    gate.set()
+    for f in stuck:
+        f.result()
+    engine.tiers.transfers.wait_lookups()
+    assert engine.kv.pool.num_used_blocks == 0
+
+
 def test_a_store_in_flight_keeps_its_copy_while_its_pages_are_reused(loaded, make_engine, tmp_path):
     tok = loaded.tokenizer
     engine = tiered(make_engine, host=False, disk=tmp_path, disk_admission="all")

@@ -26,7 +26,9 @@ and computes the rest.
 
 A load's deadline is the planner's estimate of recomputing what it loads:
 past it the request stops waiting and recomputes what has not arrived (the
-late loads are abandoned; their pages come back when their copy ends). An
+late loads are abandoned; their pages come back when their copy ends). A
+lookup's answer is waited for a tenth of the estimate of recomputing the
+request's pending tokens (`LOOKUP_WAIT_SHARE`). An
 invalidation while loading (`epoch` changes) drops what was loaded: it may be
 what was invalidated.
 """
@@ -46,6 +48,12 @@ from kvtierd.tiers.tier_manager import TierManager
 from kvtierd.tiers.transfer import ChunkLoad
 
 log = logging.getLogger(__name__)
+
+# A request waits for its lookup's answer this share of the planner's estimate of recomputing, at most: a
+# lookup only finds what might be loaded, and a tier slow to answer it (a Redis with a delay) is as slow to load.
+# Past it the request recomputes, having lost at most this share of its TTFT (it waited the whole estimate, and
+# a slow Redis added over a second to every new prompt's TTFT).
+LOOKUP_WAIT_SHARE = 0.1
 
 
 @dataclass(eq=False, slots=True)
@@ -109,7 +117,8 @@ class Loading:
         """Finds what the lower tiers hold past the device pages `block_ids`: the request's early lookup when it
         started from the same page, else a new one, on a lookup worker. An answer already there starts the loads
         at once; otherwise `seq_id` waits under a ticket (holding its device pages) until `ready` finds the
-        answer and starts them. Its deadline is the planner's estimate of computing its `pending_tokens`.
+        answer and starts them. It waits for the answer LOOKUP_WAIT_SHARE of the planner's estimate of computing
+        its `pending_tokens`; its loads, the whole estimate (from the same start).
         `seq_id in self` after it when it is looking up or loading; the plan of an answer already there."""
         start, future = self._early.pop(seq_id, (None, None))
         if start != len(block_ids):
@@ -124,8 +133,8 @@ class Loading:
         now = self._clock()
         self._pool.touch(block_ids, high)
         self._tickets[seq_id] = LoadTicket(list(block_ids), list(block_hashes), [], NOTHING_BELOW, high,
-                                           None if recompute_s is None else now + recompute_s, epoch,
-                                           started=now, lookup=future)
+                                           None if recompute_s is None else now + LOOKUP_WAIT_SHARE * recompute_s,
+                                           epoch, started=now, lookup=future)
         return NOTHING_BELOW
 
     def begin(self, seq_id: str, block_ids: list[int], block_hashes: list[bytes], below: list,

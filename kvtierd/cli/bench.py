@@ -497,6 +497,15 @@ def bench_stall(
         for r in f["scenarios"]))
     typer.echo(f"window: the load request's TTFT; without: the same length right before it. Targets: ITL p99 <= "
                f"{t['itl_p99_x']:g}x without; slow / stopped Redis: TTFT load <= recompute")
+    by_name = {r["scenario"]: r for r in f["scenarios"]}
+    if "disk" in by_name:  # its fresh prompts pay no remote tier: recomputing as a daemon without the fleet does
+        ref = by_name["disk"]["ttft_recompute_ms"]
+        for name in ("remote slow", "remote stopped"):
+            if name in by_name:
+                r = by_name[name]
+                typer.echo(f"{name}: TTFT load {r['ttft_load_ms'] / ref:.2f}x and a fresh prompt's "
+                           f"{r['ttft_recompute_ms'] / ref:.2f}x recomputing without the remote tier (the disk "
+                           f"daemon's fresh prompts, {ref:,.0f} ms)")
     nt = f["next_turn"]
     if nt is not None:
         print_table(f"stores: a session's next turn after a {w.turn_tokens:,}-token first turn (TTFT ms, median of "

@@ -56,6 +56,10 @@ class TierBackend(Protocol):
         """How many of the chunks keyed by these last-page hashes it holds, counted from the first."""
         ...
 
+    def holds_each(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        """Whether it holds each chunk keyed by these last-page hashes, in one call (one round trip)."""
+        ...
+
     def load(self, span: ChunkSpan, skip: int, block_ids: Sequence[int]) -> bool:
         """Copies pages `skip`.. of the chunk into device pages `block_ids`. False when it is gone or fails
         its checks (a bad value is dropped or quarantined). Runs on a transfer worker."""

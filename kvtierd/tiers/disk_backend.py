@@ -44,6 +44,10 @@ class DiskBackend(WriterBackend):
         keys = [self._epoch.key(h) for h in block_hashes]
         return int(self.writer.call(lambda: self.storage.contains_prefix(keys), 0))
 
+    def holds_each(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        keys = [self._epoch.key(h) for h in block_hashes]
+        return self.writer.call(lambda: self.storage.contains_each(keys), [False] * len(keys))
+
     def _holds(self, key: bytes) -> bool:
         return self.writer.has(key)
 

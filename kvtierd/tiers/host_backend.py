@@ -62,6 +62,9 @@ class HostBackend:
     def contains(self, block_hashes: Sequence[bytes]) -> int:
         return self.storage.contains_prefix([self._epoch.key(h) for h in block_hashes])
 
+    def holds_each(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        return self.storage.contains_each([self._epoch.key(h) for h in block_hashes])
+
     def load(self, span: ChunkSpan, skip: int, block_ids: Sequence[int]) -> bool:
         key, identity = self.key(span.last_hash), span.identity(self.geometry)
         outcome = self.storage.read(key, lambda value: scatter_frame(self._pages, value, identity, skip, block_ids))

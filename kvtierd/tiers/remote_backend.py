@@ -43,6 +43,9 @@ class RemoteBackend(WriterBackend):
     def contains(self, block_hashes: Sequence[bytes]) -> int:
         return self.storage.contains_prefix([self.fleet_epoch.key(h) for h in block_hashes])
 
+    def holds_each(self, block_hashes: Sequence[bytes]) -> list[bool]:
+        return self.storage.contains_each([self.fleet_epoch.key(h) for h in block_hashes])
+
     def _holds(self, key: bytes) -> bool:
         return self.fleet_epoch.knows(key)
 

@@ -146,12 +146,16 @@ class TierManager:
             else:
                 break
         pos += i * n
-        # Then the chain's partial last chunk, if one was stored here: the longest first.
-        for end in range(min(pos + n - 1, m), max(pos, start), -1):
-            b = next((b for b in tiers if b.contains([block_hashes[end - 1]])), None)
-            if b is not None:
-                found.append(FoundChunk(b.tier, self._span(namespace, block_hashes, token_ids, pos, end)))
-                break
+        # Then the chain's partial last chunk, if one was stored here: the longest first. Every length is asked
+        # in one call per tier: a call per length cost a slow Redis's delay 15 times for each new prompt.
+        partial_ends = range(min(pos + n - 1, m), max(pos, start), -1)
+        if partial_ends:
+            held = [b.holds_each([block_hashes[end - 1] for end in partial_ends]) for b in tiers]
+            for j, end in enumerate(partial_ends):
+                b = next((b for b, h in zip(tiers, held, strict=True) if h[j]), None)
+                if b is not None:
+                    found.append(FoundChunk(b.tier, self._span(namespace, block_hashes, token_ids, pos, end)))
+                    break
         return found
 
     def load(self, found: FoundChunk, skip: int, block_ids: Sequence[int]) -> Tier | None:
