@@ -190,6 +190,29 @@ def test_a_lookup_slower_than_its_share_of_the_recompute_estimate_turns_into_a_r
     assert engine.kv.pool.num_used_blocks == 0
 
 
+def test_when_lookups_lately_took_longer_than_its_share_a_request_does_not_wait_for_its_own(loaded, make_engine):
+    tok = loaded.tokenizer
+    engine, prompt = prompt_below_the_device(make_engine, tok)
+    engine.tiers.planner.recompute_cost = lambda tokens: tokens * 1e-9  # a share no real lookup answers within
+    add_looked_up(engine, ask(tok, TOPICS[1]))  # a lookup answered: its time is the recent one
+    run_rest(engine, None)
+    gate = threading.Event()
+    stuck = [engine.tiers.transfers.look_up(lambda: gate.wait() and []) for _ in range(2)]  # every lookup worker
+    stats = engine.tiers.transfers.stats
+    before = stats.loads_past_deadline
+    rid = engine.add_request(prompt, PARAMS)  # its lookup queues behind them
+    outs = [o for o in engine.step() if o.request_id == rid]
+    assert not engine.scheduler.loading  # admitted in its first step: it computes, not waits
+    outs += run_rest(engine, rid)
+    assert outs[0].num_cached_tokens == outs[0].cached_tokens_by_tier["device"] < 64  # nothing came from below
+    assert stats.loads_past_deadline == before + 1
+    assert_same_output(outs, cold_run(make_engine, prompt))
+    gate.set()
+    for f in stuck:
+        f.result()
+    engine.tiers.transfers.wait_lookups()
+
+
 def test_a_store_in_flight_keeps_its_copy_while_its_pages_are_reused(loaded, make_engine, tmp_path):
     tok = loaded.tokenizer
     engine = tiered(make_engine, host=False, disk=tmp_path, disk_admission="all")

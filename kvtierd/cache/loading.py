@@ -28,7 +28,9 @@ A load's deadline is the planner's estimate of recomputing what it loads:
 past it the request stops waiting and recomputes what has not arrived (the
 late loads are abandoned; their pages come back when their copy ends). A
 lookup's answer is waited for a tenth of the estimate of recomputing the
-request's pending tokens (`LOOKUP_WAIT_SHARE`). An
+request's pending tokens (`LOOKUP_WAIT_SHARE`), and not at all when the
+lookups that answered lately took longer than that (a slow Redis): the
+request computes at once, and its lookup's answer goes unread. An
 invalidation while loading (`epoch` changes) drops what was loaded: it may be
 what was invalidated.
 """
@@ -118,7 +120,8 @@ class Loading:
         started from the same page, else a new one, on a lookup worker. An answer already there starts the loads
         at once; otherwise `seq_id` waits under a ticket (holding its device pages) until `ready` finds the
         answer and starts them. It waits for the answer LOOKUP_WAIT_SHARE of the planner's estimate of computing
-        its `pending_tokens`; its loads, the whole estimate (from the same start).
+        its `pending_tokens` (not at all when lookups lately took longer); its loads, the whole estimate (from
+        the same start).
         `seq_id in self` after it when it is looking up or loading; the plan of an answer already there."""
         start, future = self._early.pop(seq_id, (None, None))
         if start != len(block_ids):
@@ -130,6 +133,11 @@ class Loading:
             return self.begin(seq_id, block_ids, block_hashes, found, high, epoch, wait_for_pages=True) \
                 if found else NOTHING_BELOW
         recompute_s = self._tiers.planner.recompute_s(pending_tokens)
+        typical = self._transfers.lookup_s
+        if recompute_s is not None and typical is not None and typical > LOOKUP_WAIT_SHARE * recompute_s:
+            # Lookups lately took longer than it would wait: it recomputes now, its answer unread.
+            self._transfers.stats.loads_past_deadline += 1
+            return NOTHING_BELOW
         now = self._clock()
         self._pool.touch(block_ids, high)
         self._tickets[seq_id] = LoadTicket(list(block_ids), list(block_hashes), [], NOTHING_BELOW, high,

@@ -212,8 +212,10 @@ def _transfers(tiers: TierManager) -> Iterator[Metric]:
     yield nbytes
     yield GaugeMetricFamily("kvtierd_transfers_in_flight", "Chunk loads queued or running on the transfer workers.",
                             tiers.transfers.num_in_flight)
-    yield CounterMetricFamily("kvtierd_loads_past_deadline", "Requests that stopped waiting for their loads at the "
-                              "deadline (the planner's recompute estimate) and recomputed instead.",
+    yield CounterMetricFamily("kvtierd_loads_past_deadline", "Requests that stopped waiting for their lookup or "
+                              "loads at the deadline (a share of the planner's recompute estimate for a lookup, "
+                              "all of it for loads), or did not wait for a lookup the tiers lately answered "
+                              "slower, and recomputed instead.",
                               tiers.transfer_stats.loads_past_deadline)
 
 

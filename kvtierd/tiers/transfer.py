@@ -92,7 +92,7 @@ class TransferStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._by: dict[tuple[str, str], TransferHistogram] = {}
-        self.loads_past_deadline = 0  # loads a request stopped waiting for: it recomputed instead
+        self.loads_past_deadline = 0  # lookups or loads a request stopped waiting for (or never waited): it recomputed
 
     def observe(self, tier: str, direction: str, seconds: float, nbytes: int) -> None:
         with self._lock:
@@ -118,6 +118,8 @@ class TransferQueue:
         self._abandoned: list[ChunkLoad] = []  # nobody waits; their pages go once they finish
         self._finished = threading.Condition()
         self.stats = stats
+        # How long lookups take to answer lately (an average weighting the latest half; None: none answered yet).
+        self.lookup_s: float | None = None
 
     @property
     def num_in_flight(self) -> int:
@@ -168,9 +170,17 @@ class TransferQueue:
         """Runs a lookup of the lower tiers on a lookup worker; its future holds the chunks found."""
         with self._finished:
             self._lookups += 1
-        future = self._lookup_pool.submit(fn)
+        future = self._lookup_pool.submit(self._timed_lookup, fn)
         future.add_done_callback(self._lookup_done)
         return future
+
+    def _timed_lookup(self, fn: Callable[[], list[FoundChunk]]) -> list[FoundChunk]:
+        t0 = time.perf_counter()
+        try:
+            return fn()
+        finally:
+            took = time.perf_counter() - t0
+            self.lookup_s = took if self.lookup_s is None else (self.lookup_s + took) / 2
 
     def wait_lookups(self) -> None:
         """Blocks until every lookup submitted so far has finished (tools and tests)."""
