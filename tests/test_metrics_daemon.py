@@ -16,6 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from daemon_fixtures import wait_idle
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -170,12 +171,19 @@ def test_a_session_turn_counts_its_hit_under_source_session(http):
     assert after.value("kvtierd_session_pools") >= 1
 
 
+def settled(http) -> Scrape:
+    """A scrape once no page is held: a finished session turn's pages stay referenced until its store, which
+    waits for the engine's idle spell, has copied them out."""
+    wait_idle(http)
+    return scrape(http)
+
+
 def test_invalidating_a_tenant_counts_its_pages_as_invalidated_evictions(http):
     headers = fresh_tenant()
     assert http.post("/v1/chat/completions", json=CHAT, headers=headers).status_code == 200
     before = scrape(http)
     pages = http.post("/admin/invalidate", json={"tenant": headers[TENANT]}).json()["invalidated_pages"]
-    after = scrape(http)
+    after = settled(http)
     assert pages > 0
     assert grew(before, after, "kvtierd_cache_evictions_total", tier="device", reason="invalidated") == pages
     assert grew(before, after, "kvtierd_cache_evictions_total", tier="device", reason="capacity") == 0
@@ -191,7 +199,7 @@ def ctl(daemon, *args: str) -> subprocess.CompletedProcess:
 
 def test_kvtierctl_top_once_prints_the_frame(daemon, http):
     assert http.post("/v1/chat/completions", json=CHAT, headers=fresh_tenant()).status_code == 200
-    now = scrape(http)  # nothing runs between this and kvtierctl's own scrape
+    now = settled(http)  # nothing runs between this and kvtierctl's own scrape
     done = ctl(daemon, "top", "--once")
     assert done.returncode == 0 and not done.stderr, done.stderr
     out = done.stdout

@@ -48,10 +48,11 @@ def rss_bytes(pid: int) -> int:
 
 
 async def snapshot(client: httpx.AsyncClient, pid: int) -> dict:
-    """RSS and pages once the daemon has nothing running (waits for hung-up requests to be cancelled)."""
+    """RSS and pages once the daemon has nothing running and no page in use (waits, 10 s at most, for hung-up
+    requests to be cancelled and finished turns' stores, which wait for an idle spell, to let go of theirs)."""
     for _ in range(200):
         engine = (await client.get("/admin/status")).json()["engine"]
-        if engine["running"] == engine["waiting"] == 0:
+        if engine["running"] == engine["waiting"] == engine["used_blocks"] == 0:
             break
         await asyncio.sleep(0.05)
     return {"rss_bytes": rss_bytes(pid), "used_blocks": engine["used_blocks"], "free_blocks": engine["free_blocks"],
