@@ -331,8 +331,8 @@ def run_restore(loaded: LoadedModel, c: ComputedPrompt, w: TiersWorkload, direct
         return _engine(loaded, device_bytes, disk)  # the same epoch file: the same keys
 
     with ExitStack() as stack:
-        sources = {"device": device_engine, "host": host_engine, "disk warm": lambda: _engine(loaded, device_bytes, disk),
-                   "disk cold": disk_cold_engine}
+        sources = {"device": device_engine, "host": host_engine,
+                   "disk warm": lambda: _engine(loaded, device_bytes, disk), "disk cold": disk_cold_engine}
         no_remote = ""
         if shutil.which(REDIS_SERVER) is None:
             no_remote = "no redis-server on PATH"

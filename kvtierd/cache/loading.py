@@ -53,8 +53,8 @@ log = logging.getLogger(__name__)
 
 # A request waits for its lookup's answer this share of the planner's estimate of recomputing, at most: a
 # lookup only finds what might be loaded, and a tier slow to answer it (a Redis with a delay) is as slow to load.
-# Past it the request recomputes, having lost at most this share of its TTFT (it waited the whole estimate, and
-# a slow Redis added over a second to every new prompt's TTFT).
+# Past it the request recomputes, having lost at most this share of its TTFT. Waiting the whole estimate, a
+# slow Redis added over a second to every new prompt's TTFT.
 LOOKUP_WAIT_SHARE = 0.1
 
 

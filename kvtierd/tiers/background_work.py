@@ -6,8 +6,9 @@ mostly outside the GIL (zstd, hashing, memcpy, LMDB, sockets), so it runs
 beside a step on another core; the engine reads `busy` before each step
 (engine/step_threads.py). A task counts from its submission until it ends (or
 is cancelled). Lookups are not counted: they wait on a store far more than
-they compute; a prefetch counts only while it copies a chunk up (`counted`). One count for the process, as its cores and torch's threads are
-the process's.
+they compute; a prefetch counts only while it copies a chunk up (`counted`).
+One count for the process, as its cores and torch's threads are the
+process's.
 
 Stores are on no request's path, so the pools given a `defer_s` (the lower
 tiers' writers, and the store-copy thread that feeds them a finished turn's
@@ -137,8 +138,8 @@ class _DeferringPool(ThreadPoolExecutor):
         self._shutting = False
 
     def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
-        now = time.monotonic()
-        return super().submit(self._deferred, now, now + self._defer_s, fn, args, kwargs)  # a cancelled one never counted
+        now = time.monotonic()  # a cancelled task never counted
+        return super().submit(self._deferred, now, now + self._defer_s, fn, args, kwargs)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
         self._shutting = True  # what waits starts now: closing never waits for the engines (`_shut` wakes it)
