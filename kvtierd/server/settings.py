@@ -274,8 +274,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("warm_sessions", "tiers", "warm_sessions", 8, int_between(0, 1_000_000),
             "at startup, copy the disk chunks of this many most recently used sessions to the host tier (0: none)"),
     Setting("store_defer_ms", "tiers", "store_defer_ms", 2000, int_between(0, 3_600_000),
-            "disk and remote writes wait while the engine has steps to run, and start once it has been idle for "
-            "100 ms or this many ms after they were queued (0: never wait)"),
+            "disk and remote writes, and a finished session turn's copy out of the device for them, wait while the "
+            "engine has steps to run, and start once it has been idle for 100 ms or this many ms after they were "
+            "queued (0: never wait)"),
     Setting("remote_url", "remote", "url", None, parse_optional_str,
             "the fleet's shared KV tier: redis://, rediss://, unix://, redis+sentinel://HOST:PORT/SERVICE or "
             "redis+cluster:// (empty: none)"),

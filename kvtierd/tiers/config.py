@@ -59,7 +59,7 @@ class TierConfig:
     disk_codec: str = "auto"
     disk_admission: str = "reused"
     max_pending_disk_bytes: int = 256 << 20  # chunk copies waiting for a writer; past it new ones are dropped
-    store_defer_ms: int = 2000  # disk and remote writes wait while the engine has steps, this long at most (0: never)
+    store_defer_ms: int = 2000  # writes and a turn's copy wait while the engine has steps, this long at most (0: never)
     remote: RemoteConfig | None = None  # the fleet's shared tier (None: none)
 
     def __post_init__(self) -> None:
