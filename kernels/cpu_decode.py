@@ -1,45 +1,27 @@
-"""The CPU decode attention kernel (`cpu/paged_decode.c`): built for the host CPU on first use, called by ctypes.
+"""The CPU decode attention kernel (`cpu/paged_decode.c`): built for the host CPU on first use
+(`cpu_build.py`, once per head_dim), called by ctypes.
 
 Decode attention is where the torch path spends most of a decode step once
 contexts grow: it gathers each sequence's pages into a copy and runs SDPA over
-it. The C kernel reads the pages in place, once per KV head. It is compiled
-with the system C compiler (`cc`, or `$CC`) for this CPU (`-march=native`),
-once per head_dim; the library is kept in `$KVTIERD_KERNEL_CACHE_DIR` (the
-systemd units: /var/cache/kvtierd/cpu-kernels) or else under the user's cache
-directory (`$XDG_CACHE_HOME/kvtierd/cpu-kernels`), named by a digest of the
-source, the flags, the compiler and the CPU's flags, so a host that shares a
-home with a different CPU builds its own. Without a compiler the model keeps
-the torch path (`kvtierctl status` names the backend in use).
+it. The C kernel reads the pages in place, once per KV head. Without a
+compiler the model keeps the torch path (`kvtierctl status` names the backend
+in use).
 
 The kernel shares its (sequence, KV head) items among OpenMP threads, as many
 as torch computes with at the call (`engine/step_threads.py` may leave one to
-the tiers), or one for a call too small to pay for waking the others. Built
-with `-fopenmp`, the library binds to the libgomp torch loaded first, so they
-are torch's own threads, not a second pool spinning beside it.
+the tiers), or one for a call too small to pay for waking the others.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
-from importlib import resources
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from kvtierd.kernels.cpu_build import build_kernel
 
-SOURCE = "paged_decode.c"
-COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-std=c11")
-# Linked apart, without -ffast-math: linked with it, gcc adds a start-up routine that makes the loading thread
-# flush subnormal floats to zero for everything else the process computes there.
-LINK_FLAGS = ("-shared", "-fopenmp")
 HEAD_DIMS = (64, 128)  # built on demand, one library each
 MAX_GROUP = 16  # the kernel's bound on query heads per KV head
 # Context tokens x KV heads below which a call runs on one thread: ~35 ns each, so a smaller call costs less
@@ -96,45 +78,5 @@ def cpu_decode_kernel(head_dim: int) -> CpuDecodeKernel | None:
 def _load(head_dim: int) -> CpuDecodeKernel | None:
     if head_dim not in HEAD_DIMS:
         return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        log.warning("no C compiler (cc): CPU decode attention stays on the torch path")
-        return None
-    try:
-        return CpuDecodeKernel(_build(compiler, head_dim))
-    except subprocess.CalledProcessError as e:
-        log.warning("building the CPU decode kernel failed, keeping the torch path: %s\n%s", e,
-                    (e.stderr or b"").decode(errors="replace")[-2000:])
-    except OSError as e:
-        log.warning("the CPU decode kernel cannot be built or loaded here, keeping the torch path: %s", e)
-    return None
-
-
-def _build(compiler: str, head_dim: int) -> Path:
-    source = resources.files("kvtierd.kernels").joinpath("cpu", SOURCE).read_bytes()
-    flags = (*COMPILE_FLAGS, f"-DHEAD_DIM={head_dim}")
-    version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
-    digest = hashlib.sha256(b"\0".join([source, " ".join((*flags, *LINK_FLAGS)).encode(), version,
-                                         _cpu_flags()])).hexdigest()[:16]
-    cache = Path(os.environ.get("KVTIERD_KERNEL_CACHE_DIR") or
-                 Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtierd" / "cpu-kernels")
-    library = cache / f"paged_decode_{head_dim}_{digest}.so"
-    if library.exists():
-        return library
-    cache.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        src, obj, built = Path(tmp) / SOURCE, Path(tmp) / "paged_decode.o", Path(tmp) / library.name
-        src.write_bytes(source)
-        subprocess.run([compiler, *flags, "-c", "-o", str(obj), str(src)], capture_output=True, check=True)
-        subprocess.run([compiler, *LINK_FLAGS, "-o", str(built), str(obj), "-lm"], capture_output=True, check=True)
-        os.replace(built, library)  # atomic: a daemon starting beside this one sees all of it or none
-    log.info("built the CPU decode kernel for head_dim %d: %s", head_dim, library)
-    return library
-
-
-def _cpu_flags() -> bytes:
-    try:
-        with open("/proc/cpuinfo", "rb") as f:
-            return next((line for line in f if line.startswith(b"flags")), b"")
-    except OSError:
-        return b""
+    library = build_kernel("paged_decode.c", (f"-DHEAD_DIM={head_dim}",))
+    return CpuDecodeKernel(library) if library is not None else None

@@ -5,6 +5,10 @@ quantized CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), wh
 1/4 of bfloat16's bytes. A step of many tokens (prefill) is bound by arithmetic, where those
 kernels are several times slower than the bfloat16 GEMM, so each matrix is also kept dense in
 bfloat16 holding the same (dequantized) values: both paths compute with one set of weights.
+
+torch's int4 kernel pays ~2 ms a row (over the bundled model's matrices); on a CPU with AMX, an
+int4 matrix also gets the layout of our own kernel (`kernels/cpu_int4_matmul.py`), which takes the
+rows past `TORCH_INT4_MAX_ROWS` of a small step at a cost nearly flat in rows.
 """
 
 from __future__ import annotations
@@ -13,9 +17,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kvtierd.kernels.cpu_int4_matmul import CpuInt4Matmul
 from kvtierd.model.packed_matrix import PackedMatrix
 
 INT4_GROUP = 32  # weights per 4-bit group: llama.cpp's Q4_0/Q4_1 block
+# Rows up to which torch's int4 kernel beats the tile kernel (measured over the bundled model's matrices,
+# 2 threads: 7 ms at 1 row, 13 at 4, against the tile kernel's ~14 flat).
+TORCH_INT4_MAX_ROWS = 3
 
 
 @dataclass(slots=True)
@@ -27,6 +35,9 @@ class QuantizedLinear:
     scales: torch.Tensor  # int8: [out]; int4: [in / INT4_GROUP, out, 2] (scale, offset); compute dtype
     # [out, in] compute dtype: the dequantized values, for large steps (packed on a CPU that runs them faster)
     dense: torch.Tensor | PackedMatrix
+    # int4 on a CPU with AMX: the codes in the tile kernel's layout, and the kernel (made at load, not cached)
+    tile_codes: torch.Tensor | None = None
+    tile_kernel: CpuInt4Matmul | None = None
 
     def matmul(self, x: torch.Tensor, quantized: bool) -> torch.Tensor:
         """`x [n, in] -> [n, out]`; `quantized` picks the weight-streaming kernel (small steps)."""
@@ -36,6 +47,8 @@ class QuantizedLinear:
             return torch.nn.functional.linear(x, self.dense)
         if self.kind == "int8":
             return torch._weight_int8pack_mm(x, self.packed, self.scales)
+        if self.tile_kernel is not None and x.shape[0] > TORCH_INT4_MAX_ROWS:
+            return self.tile_kernel.matmul(x, self.tile_codes, self.scales)
         return torch._weight_int4pack_mm_for_cpu(x.contiguous(), self.packed, INT4_GROUP, self.scales)
 
     def num_bytes_streamed(self) -> int:

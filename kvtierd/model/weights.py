@@ -13,6 +13,7 @@ from dataclasses import dataclass, fields, replace
 
 import torch
 
+from kvtierd.kernels.cpu_int4_matmul import CpuInt4Matmul, fits, tile_codes
 from kvtierd.model.packed_matrix import PackedMatrix, pack
 from kvtierd.model.quantized import QuantizedLinear
 
@@ -82,6 +83,18 @@ def packed_for_cpu(weights: ModelWeights) -> ModelWeights:
     # A head tied to the embedding stays that tensor: the tie is what the model cache keys on.
     lm_head = weights.lm_head if weights.lm_head is weights.embed else packed(weights.lm_head)
     return replace(weights, layers=layers, lm_head=lm_head)
+
+
+def with_tile_kernel(weights: ModelWeights, kernel: CpuInt4Matmul) -> ModelWeights:
+    """`weights` with every int4 matrix of the tile kernel's shape also in its layout, and the kernel."""
+    def tiled(t: Matrix) -> Matrix:
+        if isinstance(t, QuantizedLinear) and t.kind == "int4" and fits(t.packed.shape[0], t.packed.shape[1] * 2):
+            return replace(t, tile_codes=tile_codes(t.packed), tile_kernel=kernel)
+        return t
+
+    layers = [replace(layer, qkv=tiled(layer.qkv), o=tiled(layer.o), gate_up=tiled(layer.gate_up),
+                      down=tiled(layer.down)) for layer in weights.layers]
+    return replace(weights, layers=layers, lm_head=tiled(weights.lm_head))
 
 
 def plain(t: torch.Tensor | PackedMatrix) -> torch.Tensor:

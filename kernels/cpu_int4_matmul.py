@@ -1,0 +1,92 @@
+"""The CPU int4 matmul kernel (`cpu/int4_matmul.c`, AMX): steps of a few to a few dozen rows in the int4 mode.
+
+torch's int4 kernel costs ~2 ms a row over the bundled model's matrices, and the bfloat16 copies read 4x
+the bytes, so a step of 4 to 48 tokens (a decode batch, a chat turn's new tokens, a prefill chunk cut to a
+step budget) paid for one or the other. This kernel dequantizes each weight tile once for up to 48 rows:
+measured over the bundled model's 120 matrices (2 threads), ~14 ms flat from 1 to 32 rows against 22-37 ms
+for the bfloat16 copies; torch's kernel stays the faster for 1-3 rows.
+
+It needs AMX-BF16 (Intel Sapphire Rapids and later); elsewhere the build fails and the model keeps torch's
+kernels. The weights go to it in a layout of its own (`tile_codes`), made once at load from torch's packed
+int4 matrix (the same codes).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+from pathlib import Path
+
+import torch
+
+from kvtierd.kernels.cpu_build import build_kernel
+
+log = logging.getLogger(__name__)
+
+OUTPUTS_PER_SLICE = 16  # the kernel's tile width
+GROUP = 32  # inputs per (scale, offset)
+TORCH_BLOCK = 64  # outputs per block of torch's packed layout
+
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+class CpuInt4Matmul:
+    """`kvt_int4_matmul`."""
+
+    def __init__(self, library: Path) -> None:
+        lib = ctypes.CDLL(str(library))
+        self._fn = lib.kvt_int4_matmul
+        self._fn.restype = ctypes.c_int
+        self._fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _I32, _I32, _I32, _I32]
+        if lib.kvt_amx_init() != 0:
+            raise OSError("the kernel asked Linux for AMX's tile state and was refused")
+
+    def matmul(self, x: torch.Tensor, tile_codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        """`x [m, in]` bfloat16 -> `[m, out]` bfloat16, against the matrix of `tile_codes` (`tile_codes`) and
+        torch's int4 `scales` `[in / 32, out, 2]`."""
+        if x.stride(-1) != 1:
+            x = x.contiguous()
+        m, k = x.shape
+        n = scales.shape[1]
+        out = x.new_empty(m, n)
+        self._fn(out.data_ptr(), out.stride(0), x.data_ptr(), x.stride(0), tile_codes.data_ptr(), scales.data_ptr(),
+                 m, n, k, torch.get_num_threads())
+        return out
+
+
+def tile_codes(packed: torch.Tensor) -> torch.Tensor:
+    """torch's packed int4 matrix `[out, in / 2]` (`_convert_weight_to_int4pack_for_cpu`: for each block of
+    64 outputs and each input, 32 bytes, byte j holding output j's code and output j + 32's) in this
+    kernel's layout: for each 16 outputs, each group of 32 inputs, each input pair p, 16 bytes, byte i
+    holding output i's code for input 2p (low nibble) and 2p + 1 (high nibble)."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    blocks = packed.view(n // TORCH_BLOCK, k, TORCH_BLOCK // 2)
+    codes = torch.cat([blocks & 15, blocks >> 4], dim=2).transpose(1, 2).reshape(n, k)  # [out, in], 0..15
+    pairs = codes.view(n // OUTPUTS_PER_SLICE, OUTPUTS_PER_SLICE, k // GROUP, GROUP // 2, 2).permute(0, 2, 3, 1, 4)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous()
+
+
+def fits(out_features: int, in_features: int) -> bool:
+    """Whether a matrix of this shape has the kernel's layout (and torch's packed one)."""
+    return out_features % TORCH_BLOCK == 0 and in_features % GROUP == 0
+
+
+_kernel: CpuInt4Matmul | None = None
+_tried = False
+_lock = threading.Lock()
+
+
+def cpu_int4_matmul_kernel() -> CpuInt4Matmul | None:
+    """The kernel, built (or found built) now; None where it cannot be (the torch kernels then)."""
+    global _kernel, _tried
+    with _lock:
+        if not _tried:
+            _tried = True
+            library = build_kernel("int4_matmul.c")
+            if library is not None:
+                try:
+                    _kernel = CpuInt4Matmul(library)
+                except OSError as e:
+                    log.warning("the int4 matmul kernel cannot run here, keeping torch's kernels: %s", e)
+        return _kernel
