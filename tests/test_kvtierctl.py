@@ -49,6 +49,7 @@ STATUS = {
     },
     "engine": {
         "attention_backend": "cupy-paged",
+        "matmul_backend": "torch",
         "running": 3,
         "waiting": 7,
         "block_size": 16,

@@ -31,6 +31,7 @@ def test_status_tiers_stats_and_prefixes_reflect_the_daemon(daemon):
     assert status["model"]["num_layers"] == 30 and status["engine"]["block_size"] == 16
     assert status["socket"] == str(daemon.socket)
     assert status["engine"]["attention_backend"] == "torch-reference"  # no GPU here: the reference path
+    assert status["engine"]["matmul_backend"] == "torch"  # float32, the daemon tests' mode: no quantized kernel
     device, host, disk = ctl_json(daemon, "tiers")["tiers"]
     assert device["name"] == "device" and device["query_tokens"] > 0
     assert (host["name"], disk["name"]) == ("host", "disk") and host["healthy"] and disk["healthy"]

@@ -12,7 +12,7 @@ from kvtierd.cache.kv_cache_manager import KVCacheManager
 from kvtierd.engine.config import QosConfig
 from kvtierd.engine.request import Request
 from kvtierd.engine.sampling_params import SamplingParams
-from kvtierd.engine.scheduler import Scheduler, StepPlan
+from kvtierd.engine.scheduler import HELD_STEP_DECODES, Scheduler, StepPlan
 from kvtierd.engine.step_cost import StepCost, StepCostModel, StepShape
 
 ROOT = namespace_root("model-1", "")
@@ -140,6 +140,25 @@ def test_an_auto_budget_adds_at_most_a_one_decode_step_to_the_top_classs_own_wor
     assert p.num_tokens == TOKENS_PER_STEP and {s.request.qos_class for s in p.scheduled} == {"normal"}
 
 
+def test_an_auto_budget_held_by_a_gone_high_request_allows_a_few_lone_decodes():
+    """High gone (its hold not over): the lows' steps may cost HELD_STEP_DECODES lone decodes, more than while
+    it ran; a high request arriving again brings back its own work plus one decode."""
+    sim = Sim({"high": None, "normal": None, "low": None}, hold_s=2.0)
+    one_decode = COST.seconds(StepShape(num_decodes=1))
+    for i in range(6):
+        sim.add(f"low{i}", "low", prompt_len=1000, max_tokens=8)
+    sim.add("high", "high", prompt_len=40, max_tokens=2)
+    running = [sim.step(), sim.step()]
+    assert "high" not in sim.requests
+    held = [sim.step() for _ in range(5)]
+    assert all(COST.seconds(p.shape) <= HELD_STEP_DECODES * one_decode + 1e-9 for p in held)
+    assert min(COST.seconds(p.shape) for p in held) > COST.seconds(running[1].shape)  # more room than while it ran
+    sim.add("high2", "high", prompt_len=40, max_tokens=3)
+    sim.step()
+    p = sim.step()  # its decode
+    assert tokens_of(p, "high2") == 1 and COST.seconds(p.shape) <= 2 * one_decode + 1e-9
+
+
 def test_steps_stay_bounded_for_the_hold_after_the_last_high_request_then_full_chunks_return():
     sim = Sim({"high": 60.0, "normal": 0.0, "low": 0.0}, hold_s=2.0)
     for i in range(20):
@@ -248,7 +267,7 @@ def test_the_cost_model_fits_a_quantized_mode_s_two_regimes_apart():
     large = StepCost(overhead_s=0.060, prefill_token_s=0.0003, decode_token_s=0.0006, context_token_s=0.00001)
     truth = StepCost(overhead_s=0.025, prefill_token_s=0.002, decode_token_s=0.002, context_token_s=0.00001,
                      large=large, small_step_max_tokens=4)
-    model = StepCostModel(small_step_max_tokens=4)
+    model = StepCostModel(regime_max_tokens=(4,))
     shapes = [StepShape(p, d, p + d * ctx) for p in (0, 1, 2, 3, 8, 16, 64, 512) for d in (0, 1, 2, 8)
               for ctx in (100, 1000) if p or d]
     for _ in range(5):
@@ -266,13 +285,43 @@ def test_the_cost_model_fits_a_quantized_mode_s_two_regimes_apart():
     assert StepCostModel().current.large is None  # a dense mode: one regime
 
 
+def test_the_cost_model_fits_three_regimes_apart_and_chunks_across_them():
+    """int4 with the tile kernel: torch's kernel to 3 tokens (steep per row), the tiles to 48 (nearly flat),
+    then the dense matrices. Each span is fitted from its own steps; a chunk is charged for the regime its
+    step ends in."""
+    dense = StepCost(overhead_s=0.050, prefill_token_s=0.0006, decode_token_s=0.0006, context_token_s=0.00001)
+    tiles = StepCost(overhead_s=0.030, prefill_token_s=0.0002, decode_token_s=0.0003, context_token_s=0.00001,
+                     large=dense, small_step_max_tokens=48)
+    truth = StepCost(overhead_s=0.020, prefill_token_s=0.002, decode_token_s=0.002, context_token_s=0.00001,
+                     large=tiles, small_step_max_tokens=3)
+    model = StepCostModel(regime_max_tokens=(3, 48))
+    shapes = [StepShape(p, d, p + d * ctx) for p in (0, 1, 2, 3, 4, 8, 16, 30, 64, 512) for d in (0, 1, 2, 8)
+              for ctx in (100, 1000) if p or d]
+    for _ in range(5):
+        for s in shapes:
+            model.observe(s, truth.seconds(s))
+    fit = model.current
+    assert (fit.small_step_max_tokens, fit.large.small_step_max_tokens, fit.large.large.large) == (3, 48, None)
+    for s in (StepShape(0, 1, 100), StepShape(2, 1, 1100), StepShape(16, 1, 1100), StepShape(512, 8, 9000)):
+        assert fit.seconds(s) == pytest.approx(truth.seconds(s), rel=0.02)
+    decode = StepShape(0, 1, 100)  # 23 ms alone
+    # 30 ms: 2 tokens keep torch's regime; a tile step costs 31.3 ms before any.
+    assert fit.prefill_tokens_within(decode, 0.030) == 2
+    # 40 ms: a tile step, (40 - 31.3) / 0.21 ms = 41 tokens.
+    assert abs(fit.prefill_tokens_within(decode, 0.040) - 41) <= 1
+    # 70 ms: the dense regime would take (70 - 51.6) / 0.61 ms = 30, fewer than a tile step's 47.
+    assert fit.prefill_tokens_within(decode, 0.070) == 47
+    # 100 ms: (100 - 51.6) / 0.61 ms = 79 in the dense regime.
+    assert abs(fit.prefill_tokens_within(decode, 0.100) - 79) <= 1
+
+
 def test_a_flood_of_large_steps_leaves_what_a_lone_decode_costs_as_measured():
     """Under a flood nearly every step is large; what a small step costs (the unit of the step budget) stays
     what small steps measured, however many large steps follow."""
     large = StepCost(overhead_s=0.080, prefill_token_s=0.0003, decode_token_s=0.004, context_token_s=0.00001)
     truth = StepCost(overhead_s=0.025, prefill_token_s=0.002, decode_token_s=0.002, large=large,
                      small_step_max_tokens=4)
-    model = StepCostModel(small_step_max_tokens=4, half_life_steps=16)
+    model = StepCostModel(regime_max_tokens=(4,), half_life_steps=16)
     for i in range(50):
         s = StepShape(0, 1, 40 + i)
         model.observe(s, truth.seconds(s))

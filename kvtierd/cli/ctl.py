@@ -270,6 +270,7 @@ def render_status(data: dict[str, Any]) -> Table:
             ("Device / weights / KV", f"{model['device']} / {model['dtype']} / {model['kv_dtype']}"),
             ("Context window", f"{_count(model['context_window'])} tokens"),
             ("Attention", engine["attention_backend"]),
+            ("Matrices", engine["matmul_backend"]),
             ("Requests", f"{_count(engine['running'])} running, {_count(engine['waiting'])} waiting"),
             ("Block size", f"{_count(engine['block_size'])} tokens"),
             ("Blocks", f"{_count(num_blocks)} total"),

@@ -114,11 +114,9 @@ class LLMEngine:
                                  public_root=self._root(PUBLIC_NAMESPACE), tiers=self.tiers,
                                  reserve=reserved_region(config.qos, num_blocks),
                                  pin_budget_pages=int(config.qos.pin_share * num_blocks), shares=self.cache_shares)
-        # What a step costs, as measured: the scheduler's time-bounded steps. A quantized mode's steps past
-        # a few tokens run the dense matrices (model/llama.py): a cost of their own.
-        model = loaded.model
-        self.step_cost = StepCostModel(
-            small_step_max_tokens=model.quantized_max_tokens if model.mode.quantization else None)
+        # What a step costs, as measured: the scheduler's time-bounded steps. A quantized mode's steps run
+        # other kernels past a few tokens (model/llama.py, `step_regimes`): each span has a cost of its own.
+        self.step_cost = StepCostModel(regime_max_tokens=loaded.model.step_regimes)
         if self.tiers is not None:  # the restore planner weighs loads against recomputing, as the steps cost
             self.tiers.planner.recompute_cost = self._recompute_s
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,

@@ -38,7 +38,8 @@ the step's top class; its work (running requests, then waiting ones while
 the queue's head is of it) is planned first, under the token budget only.
 Lower classes' work comes after, each request cut to what keeps the step's
 planned cost within the top class's `step_budget_ms` (auto: its own work
-plus one step of one decode, as last measured; `engine/step_cost.py`
+plus one step of one decode, as last measured, or a few lone decodes while
+the top class is present by its hold only; `engine/step_cost.py`
 predicts a step's seconds from its prefill tokens, decodes and the context
 they attend over, as measured, per regime in a quantized mode):
 their prefill is chunked finer, and their decodes skip a step when even one
@@ -61,6 +62,10 @@ from kvtierd.engine.request import Request
 from kvtierd.engine.step_cost import StepCostModel, StepShape
 
 RANK = {c: i for i, c in enumerate(QOS_CLASSES)}  # 0: high
+# Auto budget while the top class is present by its hold only (none of its requests waiting, loading or
+# running): a step may cost this many lone decodes. A request of it that arrives waits for the step in
+# flight, so its TTFT grows by at most that much, and no stream of it has inter-token gaps to keep.
+HELD_STEP_DECODES = 4
 LOADING = -1  # what `_admit` returns for a request that started loading its prefix instead
 
 
@@ -262,11 +267,14 @@ class Scheduler:
 
         Auto: lower classes add at most what a step of one decode costs (a lone request's inter-token latency)
         to the top class's own work, or to one such step when it has none. An added cost, not a multiple: a
-        busy top class does not hand the others more (its latency would feed on itself), nor starve them."""
+        busy top class does not hand the others more (its latency would feed on itself), nor starve them.
+        While the top class is present by its hold only, a step may cost HELD_STEP_DECODES lone decodes."""
         budget_ms = self.step_budget_ms[top]
         if budget_ms is not None:
             return budget_ms / 1e3 or None
         one_decode = self.step_cost.one_decode_s
+        if not any(r.qos_class == top for r in (*self.running, *self.waiting, *self.loading)):
+            return HELD_STEP_DECODES * one_decode
         own_s = self.step_cost.current.seconds(own) if own.num_tokens > 1 else one_decode
         return max(own_s, one_decode) + one_decode
 

@@ -11,14 +11,16 @@ tokens and its new ones): attention reads all of their K/V, so a decode over
 1,000 cached tokens costs far more than one over 40, and a step planned as a
 count of decodes alone would run long when long contexts decode.
 
-A quantized weight mode has two regimes: a step of at most
-`small_step_max_tokens` tokens runs the packed quantized matrices (a high
-overhead per row, but few bytes), a larger one the dense bfloat16 copies
-(model/llama.py: several times the bytes, then little per row). Each regime
-has its own four coefficients (`large`), fitted from its own steps only: under
-a flood nearly every step is large, and one fit over both would let the
-large steps' cost leak into what a lone decode is believed to cost, the unit
-the step budget is built on (engine/scheduler.py).
+A quantized weight mode has regimes, one per set of kernels a step's size
+picks: a step of at most `small_step_max_tokens` tokens runs the packed
+quantized matrices (a high overhead per row, but few bytes), a larger one the
+dense bfloat16 copies (model/llama.py: several times the bytes, then little
+per row); with the int4 tile kernel, a middle regime (its tiles: nearly flat
+in rows) sits between them. Each regime has its own four coefficients, the
+next one's in `large` (a chain: `regime_max_tokens` are the bounds), fitted
+from its own steps only: under a flood nearly every step is large, and one
+fit over all would let the large steps' cost leak into what a lone decode is
+believed to cost, the unit the step budget is built on (engine/scheduler.py).
 
 Each fit is least squares over its steps, each weighted by how recent it is
 (the weight halves every `half_life_steps` of that regime), so it follows the
@@ -79,15 +81,15 @@ class StepCost:
     prefill_token_s: float
     decode_token_s: float
     context_token_s: float = 0.0
-    large: StepCost | None = None  # the costs of a step past small_step_max_tokens (a regime of its own)
-    small_step_max_tokens: int | None = None  # None: steps of every size run the same kernels
+    large: StepCost | None = None  # the costs of a step past small_step_max_tokens (the next regime)
+    small_step_max_tokens: int | None = None  # None: steps of every size from here run the same kernels
 
     def is_large(self, shape: StepShape) -> bool:
         return self.small_step_max_tokens is not None and shape.num_tokens > self.small_step_max_tokens
 
     def regime(self, shape: StepShape) -> StepCost:
         """The coefficients a step of this shape is charged with."""
-        return self.large if self.large is not None and self.is_large(shape) else self
+        return self.large.regime(shape) if self.large is not None and self.is_large(shape) else self
 
     def seconds(self, shape: StepShape) -> float:
         c = self.regime(shape)
@@ -116,11 +118,13 @@ class StepCost:
                 return -1
             return int(spare / per_token) if per_token > 0 else 1 << 30
 
-        if self.large is None or self.is_large(shape):
-            return max(within(self.regime(shape), shape), 0)
-        room = self.small_step_max_tokens - shape.num_tokens  # tokens that keep the step small
-        # Crossing charges the whole step, its own tokens too, at the large regime's costs.
-        large = within(self.large, shape)
+        if self.large is None:
+            return max(within(self, shape), 0)
+        if self.is_large(shape):
+            return self.large.prefill_tokens_within(shape, limit_s, num_cached)
+        room = self.small_step_max_tokens - shape.num_tokens  # tokens that keep the step in this regime
+        # Crossing charges the whole step, its own tokens too, at the next regimes' costs.
+        large = self.large.prefill_tokens_within(shape, limit_s, num_cached)
         return large if large > room else max(min(within(self, shape), room), 0)
 
 
@@ -173,27 +177,32 @@ class _RegimeFit:
 
 class StepCostModel:
     def __init__(self, prior: StepCost = PRIOR, half_life_steps: float = 64.0, prior_weight: float = 0.1,
-                 small_step_max_tokens: int | None = None) -> None:
-        self.small_step_max_tokens = small_step_max_tokens
-        large_prior = (prior.large or LARGE_PRIOR) if small_step_max_tokens is not None else None
-        self.prior = replace(prior, large=large_prior, small_step_max_tokens=small_step_max_tokens)
+                 regime_max_tokens: tuple[int, ...] = ()) -> None:
+        """`regime_max_tokens`: the most tokens of each regime but the last, ascending (none: one regime)."""
+        self.regime_max_tokens = regime_max_tokens
         decay = 0.5 ** (1.0 / half_life_steps)
-        # A small step has a few tokens: its per-token costs are pulled towards the prior as such a step would.
-        small_scales = FeatureScales() if small_step_max_tokens is None else \
-            FeatureScales(small_step_max_tokens, small_step_max_tokens)
-        self._small = _RegimeFit(replace(prior, large=None, small_step_max_tokens=None), decay, prior_weight,
-                                 small_scales)
-        self._large = _RegimeFit(large_prior, decay, prior_weight, FeatureScales()) \
-            if large_prior is not None else None
+        priors = [replace(prior, large=None, small_step_max_tokens=None)]
+        priors += [replace(prior.large or LARGE_PRIOR, large=None, small_step_max_tokens=None)] * len(regime_max_tokens)
+        # A bounded regime's steps have at most its bound of tokens: its per-token costs are pulled towards the
+        # prior as such a step would.
+        scales = [FeatureScales(n, n) for n in regime_max_tokens] + [FeatureScales()]
+        self._fits = [_RegimeFit(p, decay, prior_weight, sc) for p, sc in zip(priors, scales, strict=True)]
+        self.prior = self._chain(priors)
         self.num_observed = 0
         self._current: StepCost | None = self.prior
         self._lone_decodes: deque[float] = deque(maxlen=LONE_DECODES_KEPT)
 
+    def _chain(self, costs: list[StepCost]) -> StepCost:
+        """Each regime's costs linked to the next's, with its bound."""
+        chained = costs[-1]
+        for cost, bound in zip(reversed(costs[:-1]), reversed(self.regime_max_tokens), strict=True):
+            chained = replace(cost, large=chained, small_step_max_tokens=bound)
+        return chained
+
     @property
     def current(self) -> StepCost:
         if self._current is None:
-            large = self._large.fit() if self._large is not None else None
-            self._current = replace(self._small.fit(), large=large, small_step_max_tokens=self.small_step_max_tokens)
+            self._current = self._chain([f.fit() for f in self._fits])
         return self._current
 
     @property
@@ -211,8 +220,8 @@ class StepCostModel:
     def observe(self, shape: StepShape, seconds: float) -> None:
         if shape.num_decodes == 1 and shape.num_prefill_tokens == 0:
             self._lone_decodes.append(seconds)
-        large = self._large is not None and self.prior.is_large(shape)
-        (self._large if large else self._small).observe(shape, seconds)
+        regime = sum(shape.num_tokens > n for n in self.regime_max_tokens)
+        self._fits[regime].observe(shape, seconds)
         self.num_observed += 1
         self._current = None  # refitted when next asked
 

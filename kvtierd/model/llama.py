@@ -14,7 +14,7 @@ from kvtierd.kernels.cpu_int4_matmul import cpu_int4_matmul_kernel
 from kvtierd.kernels.paged_batch import PagedBatch
 from kvtierd.model.config import ModelConfig
 from kvtierd.model.packed_matrix import PackedMatrix, can_pack
-from kvtierd.model.quantized import QuantizedLinear
+from kvtierd.model.quantized import TORCH_INT4_MAX_ROWS, QuantizedLinear
 from kvtierd.model.rope import RotaryEmbedding
 from kvtierd.model.weight_modes import WeightMode
 from kvtierd.model.weights import Matrix, ModelWeights, packed_for_cpu, with_tile_kernel
@@ -85,10 +85,15 @@ class LlamaModel:
         self.weights = packed_for_cpu(weights) if can_pack(device, self.dtype) else weights
         self.kv_dtype = kv_dtype
         self.quantized_max_tokens = QUANTIZED_MAX_TOKENS
+        self.matmul_backend = "torch"  # reported by `kvtierctl status`
+        # The step sizes (tokens) past which other kernels run: the step cost model fits each span apart.
+        self.step_regimes: tuple[int, ...] = (QUANTIZED_MAX_TOKENS,) if mode.quantization else ()
         tile_kernel = cpu_int4_matmul_kernel() if device.type == "cpu" and mode.quantization == "int4" else None
         if tile_kernel is not None:
             self.weights = with_tile_kernel(self.weights, tile_kernel)
             self.quantized_max_tokens = TILE_MAX_TOKENS
+            self.matmul_backend = "cpu-int4-tiles"
+            self.step_regimes = (TORCH_INT4_MAX_ROWS, TILE_MAX_TOKENS)
         self.rope = RotaryEmbedding(config, device, self.dtype)
         self.attention = select_backend(device, self.dtype, kv_dtype, config.head_dim)
         self.scale = config.head_dim**-0.5

@@ -27,6 +27,7 @@ def engine_status(state: DaemonState) -> dict:
     pool = eng.kv.pool
     return {
         "attention_backend": state.loaded.model.attention.name,
+        "matmul_backend": state.loaded.model.matmul_backend,
         "running": len(eng.scheduler.running),
         "waiting": len(eng.scheduler.waiting),
         "loading": len(eng.scheduler.loading),
@@ -67,8 +68,12 @@ def step_cost_status(eng) -> dict:
     """What a step costs as the engine measures it: the time-bounded steps plan with these."""
     cost = eng.step_cost.current
     status = _coefficients_ms(cost)
-    if cost.large is not None:  # a quantized mode's steps past small_step_max_tokens
-        status["large_step"] = {**_coefficients_ms(cost.large), "past_tokens": cost.small_step_max_tokens}
+    larger = []  # a quantized mode's regimes: the steps past each bound run other kernels
+    while cost.large is not None:
+        larger.append({**_coefficients_ms(cost.large), "past_tokens": cost.small_step_max_tokens})
+        cost = cost.large
+    if larger:
+        status["larger_steps"] = larger
     return {**status, "steps_observed": eng.step_cost.num_observed}
 
 
