@@ -37,14 +37,17 @@ class CpuInt4Matmul:
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
         self._fn = lib.kvt_int4_matmul
-        self._fn.restype = ctypes.c_int
+        self._fn.restype = None
         self._fn.argtypes = [_P, _I64, _P, _I64, _P, _P, _I32, _I32, _I32, _I32]
         if lib.kvt_amx_init() != 0:
             raise OSError("the kernel asked Linux for AMX's tile state and was refused")
 
     def matmul(self, x: torch.Tensor, tile_codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-        """`x [m, in]` bfloat16 -> `[m, out]` bfloat16, against the matrix of `tile_codes` (`tile_codes`) and
-        torch's int4 `scales` `[in / 32, out, 2]`."""
+        """`x [m, in]` bfloat16 -> `[m, out]` bfloat16, against the matrix whose codes `tile_codes` holds (this
+        kernel's layout) and torch's int4 `scales` `[in / 32, out, 2]`."""
+        if not (x.dtype == scales.dtype == torch.bfloat16 and tile_codes.dtype == torch.uint8
+                and scales.is_contiguous() and tile_codes.is_contiguous()):  # the kernel reads raw memory
+            raise ValueError("the int4 tile kernel takes bfloat16 rows and scales and its own uint8 layout")
         if x.stride(-1) != 1:
             x = x.contiguous()
         m, k = x.shape

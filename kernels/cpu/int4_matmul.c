@@ -5,7 +5,7 @@
 // slice of one 32-input group is dequantized once into an AMX tile and multiplied against up to 48 rows
 // of x at a time: the matrix is read as 4 bits a weight, and a row costs its arithmetic only.
 //
-// Weights (int4_layout.py): for each block of 16 outputs, each group of 32 inputs, each input pair p,
+// Weights (`tile_codes` in cpu_int4_matmul.py): for each block of 16 outputs, each group of 32 inputs, each input pair p,
 // 16 bytes: byte i holds output i's code for input 2p (low nibble) and 2p+1 (high nibble). Scales:
 // torch's [K/32 groups][N outputs][2] bfloat16, (scale, offset), w = scale * (code - 8) + offset.
 // A weight is dequantized in float32 and rounded to bfloat16 (nearest even), which gives exactly the
@@ -13,7 +13,7 @@
 // product accumulates in float32; the output is rounded to bfloat16.
 //
 // Compiled at run time for the host CPU (cpu_build.py); without AMX-BF16 the build fails and the
-// torch path stays. AMX's tile registers need the kernel's permission, asked once (kvt_amx_init).
+// torch path stays. AMX's tile registers need the process's permission, asked once (kvt_amx_init).
 #define _GNU_SOURCE
 #include <immintrin.h>
 #include <stdint.h>
@@ -93,8 +93,8 @@ static inline void store_rows(uint16_t* out, int64_t out_stride, const float* ac
 // out [M, N] bfloat16 (row stride out_stride) = x [M, K] bfloat16 (row stride x_stride) times the int4
 // matrix [N, K]; N a multiple of 16, K of 32. Rows go 48 at a time: each weight tile is dequantized once
 // a pass.
-int kvt_int4_matmul(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_stride,
-                    const uint8_t* codes, const uint16_t* scales, int m, int n, int k_size, int num_threads) {
+void kvt_int4_matmul(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_t x_stride,
+                     const uint8_t* codes, const uint16_t* scales, int m, int n, int k_size, int num_threads) {
   const int slices = n / SLICE, groups = k_size / GROUP;
   const int64_t x_bytes = x_stride * (int64_t)sizeof(uint16_t);
 #pragma omp parallel num_threads(slices < num_threads ? slices : num_threads)
@@ -150,5 +150,4 @@ int kvt_int4_matmul(uint16_t* out, int64_t out_stride, const uint16_t* x, int64_
     }
     _tile_release();
   }
-  return 0;
 }
