@@ -49,7 +49,7 @@ def _build(compiler: str, source_name: str, defines: tuple[str, ...]) -> Path:
     flags = (*COMPILE_FLAGS, *defines)
     version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
     digest = hashlib.sha256(b"\0".join([source, " ".join((*flags, *LINK_FLAGS)).encode(), version,
-                                         _cpu_flags()])).hexdigest()[:16]
+                                         cpu_flags()])).hexdigest()[:16]
     cache = Path(os.environ.get("KVTIERD_KERNEL_CACHE_DIR") or
                  Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtierd" / "cpu-kernels")
     stem = Path(source_name).stem
@@ -67,7 +67,8 @@ def _build(compiler: str, source_name: str, defines: tuple[str, ...]) -> Path:
     return library
 
 
-def _cpu_flags() -> bytes:
+def cpu_flags() -> bytes:
+    """The CPU's flags line of /proc/cpuinfo (empty where there is none)."""
     try:
         with open("/proc/cpuinfo", "rb") as f:
             return next((line for line in f if line.startswith(b"flags")), b"")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kvtierd.kernels.cpu_build import build_kernel
+from kvtierd.kernels.cpu_build import build_kernel, cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,9 @@ def cpu_int4_matmul_kernel() -> CpuInt4Matmul | None:
     with _lock:
         if not _tried:
             _tried = True
+            if not {b"amx_bf16", b"avx512_bf16"} <= set(cpu_flags().split()):
+                log.info("no AMX-BF16 on this CPU: int4 steps keep torch's kernels")
+                return None
             library = build_kernel("int4_matmul.c")
             if library is not None:
                 try:
