@@ -265,6 +265,7 @@ def test_bad_session_message_is_refused_and_adds_nothing(api, session_id, body, 
 @pytest.mark.parametrize("body,param", [
     pytest.param([], None, id="array"),
     pytest.param({"priority": "urgent"}, "priority", id="priority"),
+    pytest.param({"priority": ""}, "priority", id="priority-empty"),  # not the default: a bad value
     pytest.param({"title": 5}, "title", id="title-a-number"),
     pytest.param({"name": "x"}, "name", id="unknown-field"),
 ])

@@ -46,7 +46,8 @@ async def create_session(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_json(request) if request.can_read_body else {}
     body = require_object(body, SESSION_CREATE_FIELDS)
-    priority = _optional_str(body, "priority") or "normal"
+    priority = _optional_str(body, "priority")
+    priority = "normal" if priority is None else priority  # an empty string is a bad priority, not the default
     if priority not in PRIORITIES:
         raise bad_request(f"priority must be one of {', '.join(PRIORITIES)}", param="priority")
     session_id = session_id_param(body, "id")  # a bad body is a 400 before any limit
