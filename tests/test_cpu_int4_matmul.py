@@ -1,5 +1,6 @@
-"""The int4 tile kernel (C, AMX, built on first use) against the product written out in float64 over the
-matrix's dense bfloat16 copy, and its layout against the codes the quantizer chose."""
+"""The int4 matmul kernel (C, built on first use for AMX or AVX512-BF16) against the product written out in
+float64 over the weights its build computes with (AMX: the dense bfloat16 copy; AVX512-BF16: the quantized
+weights unrounded), and its layout against the codes the quantizer chose."""
 
 import pytest
 import torch
@@ -12,8 +13,16 @@ from kvtierd.model.quantized import TORCH_INT4_MAX_ROWS, quantize
 def kernel():
     k = cpu_int4_matmul_kernel()
     if k is None:
-        pytest.skip("no AMX (or no C compiler) here: int4 steps keep torch's kernels (checked below)")
+        pytest.skip("no AVX512-BF16 (or no C compiler) here: int4 steps keep torch's kernels")
     return k
+
+
+def unrounded_weights(q) -> torch.Tensor:
+    """`[out, in]` float64: scale * (code - 8) + offset, from the kernel's layout and the scales."""
+    tiles = tile_codes(q.packed)  # [out / 16, in / 32, pair, output]
+    codes = torch.stack([tiles & 15, tiles >> 4], dim=-1).permute(0, 3, 1, 2, 4).reshape(q.dense.shape).double()
+    scale, offset = (q.scales[..., i].double().t().repeat_interleave(32, dim=1) for i in (0, 1))
+    return scale * (codes - 8) + offset
 
 
 def test_the_layout_holds_the_quantizers_codes():
@@ -40,8 +49,9 @@ def test_products_match_the_dense_copy_written_out(kernel, rows, threads):
         out = kernel.matmul(x, tile_codes(q.packed), q.scales)
     finally:
         torch.set_num_threads(before)
-    expected = x.double() @ q.dense.double().t()
-    # The dense copy's weights exactly, float32 sums, one rounding to bfloat16 at the end.
+    weights = q.dense.double() if kernel.isa == "amx" else unrounded_weights(q)
+    expected = x.double() @ weights.t()
+    # Those weights exactly, float32 sums, one rounding to bfloat16 at the end.
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 320)
     assert torch.allclose(out.double(), expected, atol=1e-3, rtol=2**-8)
 
@@ -53,9 +63,9 @@ def test_the_int4_matmul_takes_the_kernel_past_torchs_rows_only(kernel):
     for rows in (1, TORCH_INT4_MAX_ROWS, TORCH_INT4_MAX_ROWS + 1, 40):
         x = torch.randn(rows, 64, generator=gen).bfloat16()
         torch_path = q.matmul(x, True).double()
-        # Two bfloat16 roundings apart (and torch's kernel does not round the weights to bfloat16 first).
+        # Two bfloat16 roundings apart (and on AMX the kernel rounds the weights to bfloat16 first).
         assert torch.allclose(tiled.matmul(x, True).double(), torch_path, atol=4e-3, rtol=2**-6)
-    # The tile path is taken past the threshold: it rounds the weights as the dense copy does, torch's does not.
+    # The kernel's path is taken past the threshold only.
     x = torch.randn(8, 64, generator=gen).bfloat16()
     assert torch.equal(tiled.matmul(x, True), kernel.matmul(x, tiled.tile_codes, q.scales))
     assert torch.equal(tiled.matmul(x[:1], True), q.matmul(x[:1], True))

@@ -23,9 +23,6 @@ from kvtierd.model.weights import Matrix, ModelWeights, packed_for_cpu, with_til
 # (quantized.py). Measured over the bundled model's matrices: torch's int4 kernel adds ~2 ms a row, and
 # from about 6 rows the packed bf16 GEMM (packed_matrix.py), flat to a few dozen rows, is faster.
 QUANTIZED_MAX_TOKENS = 4
-# With the int4 tile kernel (AMX): ~14 ms flat to 32 rows and a pass of 48, against 22-37 ms for the packed
-# bf16 GEMM; past 48 rows the kernel makes a second pass and the GEMM is as fast.
-TILE_MAX_TOKENS = 48
 # A quantized LM head's logits are approximate; this many of each row's largest are recomputed from its
 # float32 rows, so the tokens sampling can pick (greedy, top-k/top-p) are ranked exactly: an 8-bit head's
 # rounding moved near-ties (bench quality, int4: top-1 96.3% -> 97.9%, KL 0.0024 -> 0.0010).
@@ -91,9 +88,10 @@ class LlamaModel:
         tile_kernel = cpu_int4_matmul_kernel() if device.type == "cpu" and mode.quantization == "int4" else None
         if tile_kernel is not None:
             self.weights = with_tile_kernel(self.weights, tile_kernel)
-            self.quantized_max_tokens = TILE_MAX_TOKENS
-            self.matmul_backend = "cpu-int4-tiles"
-            self.step_regimes = (TORCH_INT4_MAX_ROWS, TILE_MAX_TOKENS)
+            # int4 steps up to the kernel's rows read 4-bit weights (cpu_int4_matmul.py)
+            self.quantized_max_tokens = tile_kernel.max_rows
+            self.matmul_backend = f"cpu-int4-{tile_kernel.isa}"
+            self.step_regimes = (TORCH_INT4_MAX_ROWS, tile_kernel.max_rows)
         self.rope = RotaryEmbedding(config, device, self.dtype)
         self.attention = select_backend(device, self.dtype, kv_dtype, config.head_dim)
         self.scale = config.head_dim**-0.5

@@ -6,7 +6,7 @@ quantized CPU kernels (`_weight_int8pack_mm`, `_weight_int4pack_mm_for_cpu`), wh
 kernels are several times slower than the bfloat16 GEMM, so each matrix is also kept dense in
 bfloat16 holding the same (dequantized) values: both paths compute with one set of weights.
 
-torch's int4 kernel pays ~2 ms a row (over the bundled model's matrices); on a CPU with AMX, an
+torch's int4 kernel pays ~0.75-2 ms a row (over the bundled model's matrices); on a CPU with AVX512-BF16, an
 int4 matrix also gets the layout of our own kernel (`kernels/cpu_int4_matmul.py`), which takes the
 rows past `TORCH_INT4_MAX_ROWS` of a small step at a cost nearly flat in rows.
 """
@@ -21,8 +21,9 @@ from kvtierd.kernels.cpu_int4_matmul import CpuInt4Matmul
 from kvtierd.model.packed_matrix import PackedMatrix
 
 INT4_GROUP = 32  # weights per 4-bit group: llama.cpp's Q4_0/Q4_1 block
-# Rows up to which torch's int4 kernel beats the tile kernel (measured over the bundled model's matrices,
-# 2 threads: 7 ms at 1 row, 13 at 4, against the tile kernel's ~14 flat).
+# Rows up to which torch's int4 kernel beats ours (measured over the bundled model's matrices, 2 threads:
+# Sapphire Rapids 7 ms at 1 row, 13 at 4, against AMX tiles' ~14 flat; Zen 5 3.5 at 1, 5.3 at 4, against
+# AVX512-BF16's 4.4 and 5.7).
 TORCH_INT4_MAX_ROWS = 3
 
 
@@ -35,7 +36,7 @@ class QuantizedLinear:
     scales: torch.Tensor  # int8: [out]; int4: [in / INT4_GROUP, out, 2] (scale, offset); compute dtype
     # [out, in] compute dtype: the dequantized values, for large steps (packed on a CPU that runs them faster)
     dense: torch.Tensor | PackedMatrix
-    # int4 on a CPU with AMX: the codes in the tile kernel's layout, and the kernel (made at load, not cached)
+    # int4 on a CPU with AVX512-BF16: the codes in our kernel's layout, and the kernel (made at load, not cached)
     tile_codes: torch.Tensor | None = None
     tile_kernel: CpuInt4Matmul | None = None
 
