@@ -1,5 +1,6 @@
-"""Which attention implementation a model uses: CUDA kernels where they can run; on CPUs, the C decode kernel in
-the 16-bit modes where a C compiler is found; the torch reference elsewhere (and always in float32, the exact mode)."""
+"""Which attention implementation a model uses: CUDA kernels where they can run; on CPUs, in the 16-bit modes where a
+C compiler is found, the C decode kernel, and the C prefill kernel too where the CPU has AVX512-BF16; the torch
+reference elsewhere (and always in float32, the exact mode)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 
 from kvtierd.kernels import cpu_backend, reference
 from kvtierd.kernels.cpu_decode import cpu_decode_kernel
+from kvtierd.kernels.cpu_prefill import cpu_prefill_kernel
 from kvtierd.kernels.paged_batch import PagedBatch
 
 
@@ -36,6 +38,10 @@ def select_backend(device: torch.device, dtype: torch.dtype, kv_dtype: torch.dty
                                     cuda_backend.paged_attention)
     elif dtype == kv_dtype == torch.bfloat16:
         kernel = cpu_decode_kernel(head_dim)
+        prefill = cpu_prefill_kernel(head_dim) if kernel is not None else None
+        if prefill is not None:
+            return AttentionBackend("cpu-c-decode-prefill", cpu_backend.kernel_plan, reference.write_kv,
+                                    cpu_backend.kernel_attention(kernel, prefill))
         if kernel is not None:
             return AttentionBackend("cpu-c-decode", cpu_backend.build_plan, reference.write_kv,
                                     cpu_backend.attention(kernel))

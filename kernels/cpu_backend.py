@@ -1,5 +1,6 @@
-"""The CPU attention path of the 16-bit modes: decodes through the C kernel (`cpu_decode.py`), prefills as the
-torch reference attends them (SDPA over gathered pages: large, compute-bound calls that gain nothing here)."""
+"""The CPU attention path of the 16-bit modes: decodes through the C decode kernel (`cpu_decode.py`); prefills
+through the C prefill kernel (`cpu_prefill.py`) where the CPU has AVX512-BF16, else as the torch reference
+attends them (SDPA over gathered pages)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 
 from kvtierd.kernels import reference
 from kvtierd.kernels.cpu_decode import CpuDecodeKernel
+from kvtierd.kernels.cpu_prefill import CpuPrefillKernel
 from kvtierd.kernels.paged_batch import PagedBatch
 
 
@@ -19,14 +21,43 @@ def attention(kernel: CpuDecodeKernel):
 
     def paged_attention(plan: reference.ReferencePlan, q: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, scale: float) -> torch.Tensor:
-        batch = plan.batch
-        nd = batch.num_decodes
         out = q.new_empty(q.shape)
-        if nd:
-            kernel.decode(out[:nd], q[:nd], k_cache, v_cache, batch.block_tables, batch.context_lens,
-                          batch.context_lens_host[:nd], scale)
-        if nd < q.shape[0]:
+        _decodes(kernel, plan.batch, q, k_cache, v_cache, scale, out)
+        if plan.batch.num_decodes < q.shape[0]:
             reference.attend_prefills(plan, q, k_cache, v_cache, scale, out)
         return out
 
     return paged_attention
+
+
+def kernel_plan(batch: PagedBatch) -> PagedBatch:
+    """Both kernels read the batch as it is: no plan to build."""
+    return batch
+
+
+def kernel_attention(decode: CpuDecodeKernel, prefill: CpuPrefillKernel):
+    """`paged_attention(batch, q, k_cache, v_cache, scale)` with the decodes on `decode` and each prefill
+    sequence on `prefill` (bfloat16 q and cache)."""
+
+    def paged_attention(batch: PagedBatch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        scale: float) -> torch.Tensor:
+        out = q.new_empty(q.shape)
+        _decodes(decode, batch, q, k_cache, v_cache, scale, out)
+        start = batch.num_decodes  # decodes hold exactly one token each
+        for i in range(batch.num_decodes, batch.num_seqs):
+            rows = slice(start, start + batch.query_lens_host[i])
+            prefill.attend(out[rows], q[rows], k_cache, v_cache, batch.block_tables[i], batch.context_lens_host[i],
+                           scale)
+            start = rows.stop
+        assert start == q.shape[0], "query_start_loc disagrees with q"
+        return out
+
+    return paged_attention
+
+
+def _decodes(kernel: CpuDecodeKernel, batch: PagedBatch, q: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    nd = batch.num_decodes
+    if nd:
+        kernel.decode(out[:nd], q[:nd], k_cache, v_cache, batch.block_tables, batch.context_lens,
+                      batch.context_lens_host[:nd], scale)
