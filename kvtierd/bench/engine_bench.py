@@ -30,7 +30,7 @@ DECODE_TOKENS = 32
 DECODE_ROUNDS = 3
 WARM_PREFIX_TOKENS = 1500  # a chat's history, cached
 WARM_NEW_TOKENS = 35  # the new user message of the next turn
-WARM_TURNS = 5
+WARM_TURNS = 9
 
 
 def cpu_description() -> str:
@@ -166,23 +166,27 @@ class LlamaCppBaseline:
         return time.perf_counter() - t0
 
 
-def warm_turn_ttft_s(engines: dict[str, LLMEngine], loaded: LoadedModel, turns: int = WARM_TURNS
+def warm_turn_ttft_s(engines: dict[str, LLMEngine], loaded: LoadedModel, session: bool, turns: int = WARM_TURNS
                      ) -> dict[str, float]:
     """Each engine's median time to the first token of a chat turn of WARM_NEW_TOKENS new tokens over a
-    cached WARM_PREFIX_TOKENS-token history (the history computed once before, in the same session); the
-    engines take their turns alternately."""
+    cached WARM_PREFIX_TOKENS-token history (the history computed once before); the engines take their turns
+    alternately. `session`: the turns are a session's, as the daemon runs a chat, and start from its context
+    pool (only the new tokens are computed); else they find the history in the prefix index, which holds
+    whole pages only (the last, partly filled page of the history is computed again)."""
     history = _prompts(loaded, 1, WARM_PREFIX_TOKENS)[0]
     params = SamplingParams(max_tokens=1, temperature=0.0)
+    tenant, session_id = ("warm-session", "chat") if session else ("warm-prefix", None)
+    cached_at_least = WARM_PREFIX_TOKENS if session else WARM_PREFIX_TOKENS - WARM_PREFIX_TOKENS % \
+        next(iter(engines.values())).config.block_size
 
     def ttft_s(engine: LLMEngine, prompt: list[int]) -> float:
         cached = engine.counters.cached_tokens
         t0 = time.perf_counter()
-        engine.add_request(prompt, params, tenant="warm")
+        engine.add_request(prompt, params, tenant=tenant, session_id=session_id)
         while engine.has_unfinished():
             engine.step()
         elapsed = time.perf_counter() - t0
-        assert prompt is history or engine.counters.cached_tokens - cached >= WARM_PREFIX_TOKENS - \
-            engine.config.block_size, "history missed"
+        assert prompt is history or engine.counters.cached_tokens - cached >= cached_at_least, "history missed"
         return elapsed
 
     for engine in engines.values():
@@ -253,7 +257,9 @@ def run_engine_bench(loaded: LoadedModel, batches: list[int], prefill_lengths: l
                 "tok_s": n / statistics.median(r[side] for r in rounds),
                 "vs_float32": statistics.median(r["float32"] / r[side] for r in rounds),
             })
-    warm = [{"mode": mode, "ttft_ms": s * 1e3} for mode, s in warm_turn_ttft_s(engines, loaded).items()]
+    by_session, by_prefix = (warm_turn_ttft_s(engines, loaded, session) for session in (True, False))
+    warm = [{"mode": mode, "session_ttft_ms": by_session[mode] * 1e3, "prefix_ttft_ms": by_prefix[mode] * 1e3}
+            for mode in engines]
     for e in engines.values():
         e.close()
 

@@ -11,6 +11,8 @@ import torch.nn.functional as F
 
 from kvtierd.kernels.backend import select_backend
 from kvtierd.kernels.cpu_int4_matmul import cpu_int4_matmul_kernel
+from kvtierd.kernels.cpu_rms_norm import CpuRmsNorm, cpu_rms_norm_kernel
+from kvtierd.kernels.cpu_rope_kv import cpu_rope_kv_kernel
 from kvtierd.kernels.paged_batch import PagedBatch
 from kvtierd.model.config import ModelConfig
 from kvtierd.model.packed_matrix import PackedMatrix, can_pack
@@ -44,9 +46,12 @@ def top_k_indices(x: torch.Tensor, k: int, block: int = 128) -> torch.Tensor:
     return best.gather(1, within // block) * block + within % block
 
 
-def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype) -> torch.Tensor:
-    """The float32 residual stream normed (float32 weights, one fused op, as transformers does), handed
-    to the matrices in the compute dtype."""
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype,
+             kernel: CpuRmsNorm | None = None) -> torch.Tensor:
+    """The float32 residual stream normed (float32 weights, as transformers does), handed to the matrices in
+    the compute dtype: by `kernel` in one call where given (bfloat16 on a CPU), else by torch's ops."""
+    if kernel is not None and dtype == torch.bfloat16:
+        return kernel(h, weight, eps)
     x = F.rms_norm(h, weight.shape, weight, eps)
     return x if x.dtype == dtype else x.to(dtype)
 
@@ -92,6 +97,11 @@ class LlamaModel:
             self.quantized_max_tokens = tile_kernel.max_rows
             self.matmul_backend = f"cpu-int4-{tile_kernel.isa}"
             self.step_regimes = (TORCH_INT4_MAX_ROWS, tile_kernel.max_rows)
+        # 16-bit modes on a CPU: each norm and its cast in one C call (cpu_rms_norm.py), and a layer's rotary
+        # embedding and KV write in another (cpu_rope_kv.py)
+        cpu_16_bit = device.type == "cpu" and self.dtype == kv_dtype == torch.bfloat16
+        self.norm_kernel = cpu_rms_norm_kernel() if cpu_16_bit else None
+        self.rope_kv = cpu_rope_kv_kernel() if cpu_16_bit else None
         self.rope = RotaryEmbedding(config, device, self.dtype)
         self.attention = select_backend(device, self.dtype, kv_dtype, config.head_dim)
         self.scale = config.head_dim**-0.5
@@ -117,16 +127,21 @@ class LlamaModel:
         num_qk_heads = c.num_heads + c.num_kv_heads
         quantized = input_ids.shape[0] <= self.quantized_max_tokens
         for layer, (k_cache, v_cache) in zip(self.weights.layers, kv_caches, strict=True):
-            x = rms_norm(h, layer.attn_norm, c.rms_norm_eps, self.dtype)
+            x = rms_norm(h, layer.attn_norm, c.rms_norm_eps, self.dtype, self.norm_kernel)
             qkv = linear(x, layer.qkv, quantized, layer.qkv_bias)
-            qk, v = qkv.split([self._q_size + self._kv_size, self._kv_size], dim=-1)
-            # q and k heads sit side by side in qkv: one rotation covers both.
-            qk = self.rope.apply(qk.view(-1, num_qk_heads, c.head_dim), cos, signed_sin)
-            q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
-            attn_backend.write_kv(k_cache, v_cache, k, v.view(-1, c.num_kv_heads, c.head_dim), batch.slot_mapping)
+            if self.rope_kv is not None:  # rotated in place, k and v written to the cache: one call
+                self.rope_kv(qkv, cos, signed_sin, batch.slot_mapping, k_cache, v_cache, c.num_heads)
+                q = qkv[:, : self._q_size].view(-1, c.num_heads, c.head_dim)
+            else:
+                qk, v = qkv.split([self._q_size + self._kv_size, self._kv_size], dim=-1)
+                # q and k heads sit side by side in qkv: one rotation covers both.
+                qk = self.rope.apply(qk.view(-1, num_qk_heads, c.head_dim), cos, signed_sin)
+                q, k = qk.split([c.num_heads, c.num_kv_heads], dim=1)
+                attn_backend.write_kv(k_cache, v_cache, k, v.view(-1, c.num_kv_heads, c.head_dim),
+                                      batch.slot_mapping)
             attn = attn_backend.paged_attention(plan, q, k_cache, v_cache, self.scale)
             h = linear_add(h, attn.view(-1, self._q_size), layer.o, quantized)
-            x = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, self.dtype)
+            x = rms_norm(h, layer.ffn_norm, c.rms_norm_eps, self.dtype, self.norm_kernel)
             gate, up = linear(x, layer.gate_up, quantized).chunk(2, dim=-1)
             h = linear_add(h, F.silu(gate, inplace=True).mul_(up), layer.down, quantized)
         return rms_norm(h, self.weights.final_norm, c.rms_norm_eps, torch.float32)
