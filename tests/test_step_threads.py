@@ -1,10 +1,12 @@
 """A step leaves the tiers' background work a core while it is pending, and takes every thread back after."""
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
 from kvtierd.engine.step_threads import StepThreads
+from kvtierd.kernels.torch_threads import COMPUTE_THREADS
 from kvtierd.tiers.background_work import BackgroundWork
 
 
@@ -48,3 +50,21 @@ def test_a_step_leaves_one_thread_to_pending_background_work():
         assert StepThreads(lambda: True, num_threads=1).before_step() == 1  # never below one
     finally:
         torch.set_num_threads(before)
+
+
+def test_tier_workers_compute_alone_and_the_step_keeps_every_thread():
+    """One thread computes with torch's threads (kernels/torch_threads.py): a tier worker's torch ops run on
+    the worker alone, and a step after it still gets every thread, though a new thread would start from the
+    worker's count."""
+    work = BackgroundWork()
+    pools = [work.pool(1, "test-counted"), work.pool(1, "test-deferred", defer_s=0.01)]
+    try:
+        assert [p.submit(torch.get_num_threads).result() for p in pools] == [1, 1]
+        step = ThreadPoolExecutor(1, "test-step")
+        steps = StepThreads(lambda: False)
+        assert step.submit(steps.before_step).result() == COMPUTE_THREADS
+        assert step.submit(torch.get_num_threads).result() == COMPUTE_THREADS
+        step.shutdown(wait=True)
+    finally:
+        for p in pools:
+            p.shutdown(wait=True)

@@ -28,6 +28,7 @@ from kvtierd.engine.errors import EngineStoppedError, OverloadedError
 from kvtierd.engine.llm_engine import LLMEngine
 from kvtierd.engine.request import FinishReason, RequestOutput
 from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.kernels.torch_threads import step_executor
 from kvtierd.tiers.background_work import BACKGROUND_WORK
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,10 @@ T = TypeVar("T")
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine) -> None:
+    def __init__(self, engine: LLMEngine, executor: ThreadPoolExecutor | None = None) -> None:
+        """`executor`: the one thread the engine computes on (`step_executor`), the one it was built on."""
         self.engine = engine
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtierd-step")
+        self._executor = executor or step_executor()
         self._queues: dict[str, asyncio.Queue[RequestOutput | BaseException]] = {}
         self._pending: list[Callable[[], None]] = []  # engine edits made while a step runs
         self._stepping = False

@@ -23,10 +23,12 @@ from collections.abc import Callable
 
 import torch
 
+from kvtierd.kernels.torch_threads import COMPUTE_THREADS
+
 
 class StepThreads:
     def __init__(self, busy: Callable[[], bool], num_threads: int | None = None) -> None:
-        self.num_threads = num_threads or torch.get_num_threads()
+        self.num_threads = num_threads or COMPUTE_THREADS
         self._busy = busy
 
     def before_step(self) -> int:

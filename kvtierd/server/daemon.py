@@ -15,6 +15,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -23,6 +24,7 @@ from aiohttp import web
 from kvtierd.engine.async_engine import AsyncEngine
 from kvtierd.engine.config import EngineConfig, QosConfig
 from kvtierd.engine.llm_engine import LLMEngine
+from kvtierd.kernels.torch_threads import step_executor
 from kvtierd.model.loader import load_model
 from kvtierd.server.app import make_app
 from kvtierd.server.sd_notify import notify, watchdog_period
@@ -48,7 +50,8 @@ def resolve_device(device: str) -> str:
     return device
 
 
-def build_state(settings: Settings) -> DaemonState:
+def build_state(settings: Settings, executor: ThreadPoolExecutor) -> DaemonState:
+    """Loads the model and builds the engine; called on `executor`, the thread the engine then computes on."""
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     loaded = load_model(settings.model, resolve_device(settings.device), dtype=settings.dtype,
                         cache_dir=settings.model_cache_dir, kv_dtype=settings.kv_dtype)
@@ -67,7 +70,7 @@ def build_state(settings: Settings) -> DaemonState:
              engine.kv.pool.num_blocks, settings.block_size)
     for tier in engine.tier_stats():
         log.info("%s KV tier: %s", tier.name, f"{tier.capacity_bytes} bytes" if tier.enabled else tier.reason)
-    return DaemonState(settings=settings, loaded=loaded, engine=AsyncEngine(engine), store=SessionStore(settings.store_url))
+    return DaemonState(settings=settings, loaded=loaded, engine=AsyncEngine(engine, executor), store=SessionStore(settings.store_url))
 
 
 def qos_config(settings: Settings) -> QosConfig:
@@ -190,7 +193,9 @@ async def serve(settings: Settings) -> None:
     if activated is None:
         check_socket_path(settings.socket)  # a path we cannot serve on fails in a second, not after loading the model
     async with _extending_timeout("loading the model"):
-        state = await asyncio.to_thread(build_state, settings)  # off the loop, so the extensions keep going
+        # off the loop, so the extensions keep going; on the step thread, the one thread torch computes on
+        executor = step_executor()
+        state = await asyncio.get_running_loop().run_in_executor(executor, build_state, settings, executor)
     sock = activated or bind_unix_socket(settings.socket, settings.socket_mode, settings.socket_group)
     # handler_cancellation: a client that hangs up cancels its request, so its generation stops and frees its pages.
     runner = web.AppRunner(make_app(state), handle_signals=False, access_log=None, handler_cancellation=True)

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
+from kvtierd.kernels.torch_threads import single_threaded
+
 # How long the engines stay idle before deferred tasks start. A started chunk is not stopped for a step, and the
 # gap between one request's end and the next one's steps (a chat's next turn sent on the reply, a busy
 # daemon's next request) is shorter than this; an idle spell worth the name is longer.
@@ -114,7 +116,7 @@ class BackgroundWork:
 
 class _CountedPool(ThreadPoolExecutor):
     def __init__(self, work: BackgroundWork, max_workers: int, thread_name_prefix: str) -> None:
-        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=single_threaded)
         self._work = work
 
     def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
@@ -132,7 +134,7 @@ class _DeferringPool(ThreadPoolExecutor):
     """Its tasks start when the engines are idle or `defer_s` after their submission, and count from then."""
 
     def __init__(self, work: BackgroundWork, max_workers: int, thread_name_prefix: str, defer_s: float) -> None:
-        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix)
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=single_threaded)
         self._work = work
         self._defer_s = defer_s
         self._shutting = False

@@ -33,6 +33,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
+from kvtierd.kernels.torch_threads import single_threaded
 from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.chunk import FoundChunk
 from kvtierd.tiers.tier import Tier
@@ -112,7 +113,8 @@ class TransferQueue:
         self._bytes_per_page = bytes_per_page
         self.num_workers = workers
         self._pool = BACKGROUND_WORK.pool(workers, "kvtierd-transfer")
-        self._lookup_pool = ThreadPoolExecutor(max_workers=LOOKUP_WORKERS, thread_name_prefix="kvtierd-lookup")
+        self._lookup_pool = ThreadPoolExecutor(max_workers=LOOKUP_WORKERS, thread_name_prefix="kvtierd-lookup",
+                                               initializer=single_threaded)
         self._lookups = 0  # lookups not finished yet (under `_finished`)
         self._in_flight: dict[tuple[bytes, int], ChunkLoad] = {}  # loads with waiters, until they leave
         self._abandoned: list[ChunkLoad] = []  # nobody waits; their pages go once they finish
