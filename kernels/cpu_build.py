@@ -10,14 +10,18 @@ pool spinning beside it.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +29,24 @@ COMPILE_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC", "-s
 # Linked apart, without -ffast-math: linked with it, gcc adds a start-up routine that makes the loading thread
 # flush subnormal floats to zero for everything else the process computes there.
 LINK_FLAGS = ("-shared", "-fopenmp")
+
+
+P = ParamSpec("P")
+K = TypeVar("K")
+_load_lock = threading.Lock()
+
+
+def loaded_once(load: Callable[P, K | None]) -> Callable[P, K | None]:
+    """`load` (build a kernel, wrap its library; None where it cannot be) run once for each arguments, under
+    one lock, so two threads asking first do not compile it twice; its answer, None included, kept."""
+    cached = functools.cache(load)
+
+    @functools.wraps(load)
+    def get(*args: P.args, **kwargs: P.kwargs) -> K | None:
+        with _load_lock:
+            return cached(*args, **kwargs)
+
+    return get
 
 
 def build_kernel(source_name: str, defines: tuple[str, ...] = ()) -> Path | None:

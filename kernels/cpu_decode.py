@@ -15,12 +15,11 @@ the tiers), or one for a call too small to pay for waking the others.
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from kvtierd.kernels.cpu_build import build_kernel
+from kvtierd.kernels.cpu_build import build_kernel, loaded_once
 
 HEAD_DIMS = (64, 128)  # built on demand, one library each
 MAX_GROUP = 16  # the kernel's bound on query heads per KV head
@@ -63,19 +62,9 @@ class CpuDecodeKernel:
                               "heads share a KV head")
 
 
-_kernels: dict[int, CpuDecodeKernel | None] = {}
-_lock = threading.Lock()
-
-
+@loaded_once
 def cpu_decode_kernel(head_dim: int) -> CpuDecodeKernel | None:
     """The kernel for `head_dim`, built (or found built) now; None where it cannot be (the torch path then)."""
-    with _lock:
-        if head_dim not in _kernels:
-            _kernels[head_dim] = _load(head_dim)
-        return _kernels[head_dim]
-
-
-def _load(head_dim: int) -> CpuDecodeKernel | None:
     if head_dim not in HEAD_DIMS:
         return None
     library = build_kernel("paged_decode.c", (f"-DHEAD_DIM={head_dim}",))

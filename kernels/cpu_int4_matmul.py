@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import threading
 from pathlib import Path
 
 import torch
 
-from kvtierd.kernels.cpu_build import build_kernel, cpu_flags
+from kvtierd.kernels.cpu_build import build_kernel, cpu_flags, loaded_once
 
 log = logging.getLogger(__name__)
 
@@ -83,24 +82,17 @@ def fits(out_features: int, in_features: int) -> bool:
     return out_features % TORCH_BLOCK == 0 and in_features % GROUP == 0
 
 
-_kernel: CpuInt4Matmul | None = None
-_tried = False
-_lock = threading.Lock()
-
-
+@loaded_once
 def cpu_int4_matmul_kernel() -> CpuInt4Matmul | None:
     """The kernel, built (or found built) now; None where it cannot be (the torch kernels then)."""
-    global _kernel, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            if b"avx512_bf16" not in cpu_flags().split():
-                log.info("no AVX512-BF16 on this CPU: int4 steps keep torch's kernels")
-                return None
-            library = build_kernel("int4_matmul.c")
-            if library is not None:
-                try:
-                    _kernel = CpuInt4Matmul(library)
-                except OSError as e:
-                    log.warning("the int4 matmul kernel cannot run here, keeping torch's kernels: %s", e)
-        return _kernel
+    if b"avx512_bf16" not in cpu_flags().split():
+        log.info("no AVX512-BF16 on this CPU: int4 steps keep torch's kernels")
+        return None
+    library = build_kernel("int4_matmul.c")
+    if library is None:
+        return None
+    try:
+        return CpuInt4Matmul(library)
+    except OSError as e:
+        log.warning("the int4 matmul kernel cannot run here, keeping torch's kernels: %s", e)
+        return None

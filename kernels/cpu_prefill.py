@@ -10,12 +10,11 @@ fails and the model keeps the torch path.
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from kvtierd.kernels.cpu_build import build_kernel, cpu_flags
+from kvtierd.kernels.cpu_build import build_kernel, cpu_flags, loaded_once
 
 HEAD_DIMS = (64, 128)  # built on demand, one library each
 
@@ -51,19 +50,9 @@ class CpuPrefillKernel:
                               "a KV head, or a page pool too large for its 32-bit offsets")
 
 
-_kernels: dict[int, CpuPrefillKernel | None] = {}
-_lock = threading.Lock()
-
-
+@loaded_once
 def cpu_prefill_kernel(head_dim: int) -> CpuPrefillKernel | None:
     """The kernel for `head_dim`, built (or found built) now; None where it cannot be (the torch path then)."""
-    with _lock:
-        if head_dim not in _kernels:
-            _kernels[head_dim] = _load(head_dim)
-        return _kernels[head_dim]
-
-
-def _load(head_dim: int) -> CpuPrefillKernel | None:
     if head_dim not in HEAD_DIMS or b"avx512_bf16" not in cpu_flags().split():
         return None
     library = build_kernel("paged_prefill.c", (f"-DHEAD_DIM={head_dim}",))

@@ -5,12 +5,11 @@ one call instead of torch's seven ops, for the 16-bit modes. Built for the host 
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from kvtierd.kernels.cpu_build import build_kernel
+from kvtierd.kernels.cpu_build import build_kernel, loaded_once
 
 # Values below which a call runs on one thread (a decode step's rows: waking a second costs more).
 PARALLEL_MIN_VALUES = 1 << 15
@@ -38,18 +37,8 @@ class CpuRmsNorm:
         return out
 
 
-_kernel: CpuRmsNorm | None = None
-_tried = False
-_lock = threading.Lock()
-
-
+@loaded_once
 def cpu_rms_norm_kernel() -> CpuRmsNorm | None:
     """The kernel, built (or found built) now; None where it cannot be (torch's ops then)."""
-    global _kernel, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            library = build_kernel("rms_norm.c")
-            if library is not None:
-                _kernel = CpuRmsNorm(library)
-        return _kernel
+    library = build_kernel("rms_norm.c")
+    return CpuRmsNorm(library) if library is not None else None

@@ -5,12 +5,11 @@ layer). Built for the host CPU on first use (`cpu_build.py`); without a compiler
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from kvtierd.kernels.cpu_build import build_kernel
+from kvtierd.kernels.cpu_build import build_kernel, loaded_once
 
 MAX_HEAD_DIM = 512  # the kernel's bound (one head on its stack)
 # Tokens below which a call runs on one thread (a decode step's: waking a second costs more).
@@ -47,18 +46,8 @@ class CpuRopeKv:
                  k_cache.data_ptr(), v_cache.data_ptr(), n, q_heads, kv_heads, head_dim, threads)
 
 
-_kernel: CpuRopeKv | None = None
-_tried = False
-_lock = threading.Lock()
-
-
+@loaded_once
 def cpu_rope_kv_kernel() -> CpuRopeKv | None:
     """The kernel, built (or found built) now; None where it cannot be (torch's ops then)."""
-    global _kernel, _tried
-    with _lock:
-        if not _tried:
-            _tried = True
-            library = build_kernel("rope_kv.c")
-            if library is not None:
-                _kernel = CpuRopeKv(library)
-        return _kernel
+    library = build_kernel("rope_kv.c")
+    return CpuRopeKv(library) if library is not None else None
