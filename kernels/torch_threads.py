@@ -7,7 +7,7 @@ regions: on 2 cores (Zen 5), the int4 matrices of a decode step took 4.4 ms from
 computed, and 12 ms from a second one (the daemon's step thread, the model having been loaded on another), a
 daemon's decode ~2.5x slower than the engine's. So the daemon loads its model and runs every step on one
 thread (`step_executor`), and the other threads that may run torch ops (the tiers' workers) run them on
-themselves alone (`single_threaded`, their pools' initializer).
+themselves alone (`tiers/background_work.py`: `single_threaded`, their pools' initializer).
 """
 
 from __future__ import annotations
@@ -23,8 +23,3 @@ COMPUTE_THREADS = torch.get_num_threads()
 def step_executor() -> ThreadPoolExecutor:
     """The thread that loads the model and runs the steps."""
     return ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvtierd-step")
-
-
-def single_threaded() -> None:
-    """A worker pool's initializer: torch ops on this thread run on it alone (OpenMP's count is per thread)."""
-    torch.set_num_threads(1)

@@ -30,12 +30,18 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 
-from kvtierd.kernels.torch_threads import single_threaded
+import torch
 
 # How long the engines stay idle before deferred tasks start. A started chunk is not stopped for a step, and the
 # gap between one request's end and the next one's steps (a chat's next turn sent on the reply, a busy
 # daemon's next request) is shorter than this; an idle spell worth the name is longer.
 IDLE_SPELL_S = 0.1
+
+
+def single_threaded() -> None:
+    """The tiers' worker pools' initializer: torch ops on a worker run on it alone (OpenMP's thread count is per
+    thread), so only the step thread keeps a team of OpenMP workers (kernels/torch_threads.py says why)."""
+    torch.set_num_threads(1)
 
 
 class BackgroundWork:

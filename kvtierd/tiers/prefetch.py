@@ -19,8 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvtierd.kernels.torch_threads import single_threaded
-from kvtierd.tiers.background_work import BACKGROUND_WORK
+from kvtierd.tiers.background_work import BACKGROUND_WORK, single_threaded
 from kvtierd.tiers.chunk import FoundChunk
 from kvtierd.tiers.disk_backend import DiskBackend
 from kvtierd.tiers.host_backend import HostBackend

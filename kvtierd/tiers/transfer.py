@@ -33,8 +33,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvtierd.kernels.torch_threads import single_threaded
-from kvtierd.tiers.background_work import BACKGROUND_WORK
+from kvtierd.tiers.background_work import BACKGROUND_WORK, single_threaded
 from kvtierd.tiers.chunk import FoundChunk
 from kvtierd.tiers.tier import Tier
 
