@@ -12,7 +12,7 @@ from kvtierd.cache.kv_cache_manager import KVCacheManager
 from kvtierd.engine.config import QosConfig
 from kvtierd.engine.request import Request
 from kvtierd.engine.sampling_params import SamplingParams
-from kvtierd.engine.scheduler import HELD_STEP_DECODES, Scheduler, StepPlan
+from kvtierd.engine.scheduler import HELD_STEP_DECODES, LOWER_JOIN_EVERY, Scheduler, StepPlan
 from kvtierd.engine.step_cost import StepCost, StepCostModel, StepShape
 
 ROOT = namespace_root("model-1", "")
@@ -120,20 +120,23 @@ def test_a_step_stays_within_its_budget_while_a_high_request_waits_or_runs():
     assert max(s.num_new_tokens for p in plans for s in p.prefills if s.request.qos_class == "low") < 100
 
 
-def test_an_auto_budget_adds_at_most_a_one_decode_step_to_the_top_classs_own_work():
+def test_an_auto_budget_lets_the_lower_classes_join_one_top_class_step_in_a_few_within_one_decode():
     sim = Sim({"high": None, "normal": None, "low": None})
     one_decode = COST.seconds(StepShape(num_decodes=1))  # 10.5 ms
     for i in range(4):
         sim.add(f"low{i}", "low", prompt_len=1000, max_tokens=8)
     for i in range(3):
         sim.add(f"normal{i}", "normal", prompt_len=300, max_tokens=30)
-    sim.add("high", "high", prompt_len=40, max_tokens=4)
-    plans = [sim.step() for _ in range(4)]
-    own = [StepShape(num_prefill_tokens=40)] + [StepShape(num_decodes=1)] * 3
-    for p, shape in zip(plans, own):
+    sim.add("high", "high", prompt_len=40, max_tokens=2 * LOWER_JOIN_EVERY)
+    plans = [sim.step() for _ in range(2 * LOWER_JOIN_EVERY)]
+    own = [StepShape(num_prefill_tokens=40)] + [StepShape(num_decodes=1)] * (2 * LOWER_JOIN_EVERY - 1)
+    for i, (p, shape) in enumerate(zip(plans, own), start=1):
         assert tokens_of(p, "high") == shape.num_prefill_tokens + shape.num_decodes
-        assert len(p.scheduled) > 1  # the others move too
-        assert COST.seconds(p.shape) <= COST.seconds(shape) + one_decode + 1e-9
+        if i % LOWER_JOIN_EVERY:
+            assert len(p.scheduled) == 1  # the top class's work alone: its steps stay short
+        else:
+            assert len(p.scheduled) > 1  # the others move too
+            assert COST.seconds(p.shape) <= COST.seconds(shape) + one_decode + 1e-9
     # With high gone (and its hold over), normal is the top class: it runs unbounded, low is cut.
     sim.clock.advance(10.0)
     p = sim.step()

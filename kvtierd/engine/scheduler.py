@@ -37,9 +37,10 @@ present (waiting, running, or gone less than `step_budget_hold_s` ago) is
 the step's top class; its work (running requests, then waiting ones while
 the queue's head is of it) is planned first, under the token budget only.
 Lower classes' work comes after, each request cut to what keeps the step's
-planned cost within the top class's `step_budget_ms` (auto: its own work
-plus one step of one decode, as last measured, or a few lone decodes while
-the top class is present by its hold only; `engine/step_cost.py`
+planned cost within the top class's `step_budget_ms` (auto: in one of
+LOWER_JOIN_EVERY steps with the top class's own work, that work plus one step
+of one decode, as last measured, and nothing in the others; a few lone
+decodes while the top class is present by its hold only; `engine/step_cost.py`
 predicts a step's seconds from its prefill tokens, decodes and the context
 they attend over, as measured, per regime in a quantized mode):
 their prefill is chunked finer, and their decodes skip a step when even one
@@ -66,8 +67,15 @@ RANK = {c: i for i, c in enumerate(QOS_CLASSES)}  # 0: high
 # running): a step may cost this many lone decodes. A request of it that arrives waits for the step in
 # flight, so its TTFT grows by at most that much (a lone decode is ~a tenth of an unloaded TTFT through the
 # daemon), and no stream of it has inter-token gaps to keep. Measured with `bench qos` (Zen 5): 4 left the
-# low class 25% of its throughput without QoS, 12 gives it 74% at high TTFT p95 2.6x unloaded.
-HELD_STEP_DECODES = 12
+# low class 25% of its throughput without QoS, 12 gave it 74%, 16 (with LOWER_JOIN_EVERY) 87% at high TTFT p95
+# 2.4x unloaded.
+HELD_STEP_DECODES = 16
+# While the top class has work of its own, the lower classes join one of this many of its steps (the others
+# carry its work alone). Each step they join adds a cost they use poorly (a few decodes: ~0.3 tokens a ms,
+# against ~1.4 in a held step's larger batch) and stretches the top class's inter-token gap; its requests end
+# sooner without them, and the time they leave goes to held steps. Measured with `bench qos` (Zen 5): joining
+# every step, 30% of the flood's time went to top-class steps that gave the low class 4% of its tokens.
+LOWER_JOIN_EVERY = 4
 LOADING = -1  # what `_admit` returns for a request that started loading its prefix instead
 
 
@@ -134,6 +142,7 @@ class Scheduler:
         self.step_cost = step_cost or StepCostModel()
         self._clock = clock
         self._last_present: dict[str, float] = {}  # class -> when a request of it was last waiting or running
+        self._own_steps = 0  # steps planned with the top class's own work: one in LOWER_JOIN_EVERY takes the lower classes
         self.waiting = QosQueue(qos.weights, qos.aging_s, clock)
         self.running: list[Request] = []  # highest class first, then in admission order
         self.loading: list[Request] = []  # out of the queue while their prefix loads from below
@@ -267,10 +276,11 @@ class Scheduler:
     def _limit_s(self, top: str, own: StepShape) -> float | None:
         """The step's limit for lower classes' work, the top class's being planned (`own`); None when off.
 
-        Auto: lower classes add at most what a step of one decode costs (a lone request's inter-token latency)
-        to the top class's own work, or to one such step when it has none. An added cost, not a multiple: a
-        busy top class does not hand the others more (its latency would feed on itself), nor starve them.
-        While the top class is present by its hold only, a step may cost HELD_STEP_DECODES lone decodes."""
+        Auto: in one of LOWER_JOIN_EVERY steps, lower classes add at most what a step of one decode costs (a
+        lone request's inter-token latency) to the top class's own work, or to one such step when it has none;
+        the other steps are the top class's alone. An added cost, not a multiple: a busy top class does not
+        hand the others more (its latency would feed on itself), nor starve them. While the top class is
+        present by its hold only, a step may cost HELD_STEP_DECODES lone decodes."""
         budget_ms = self.step_budget_ms[top]
         if budget_ms is not None:
             return budget_ms / 1e3 or None
@@ -278,6 +288,9 @@ class Scheduler:
         if not any(r.qos_class == top for r in (*self.running, *self.waiting, *self.loading)):
             return HELD_STEP_DECODES * one_decode
         own_s = self.step_cost.current.seconds(own) if own.num_tokens > 1 else one_decode
+        self._own_steps += 1
+        if self._own_steps % LOWER_JOIN_EVERY:
+            return own_s
         return max(own_s, one_decode) + one_decode
 
     def _pop_victim(self, planned: set[str]) -> Request:

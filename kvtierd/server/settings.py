@@ -302,7 +302,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("step_budget_ms", "qos", "step_budget_ms", "high=auto,normal=auto", parse_step_budgets,
             "while a request of a class is present, lower classes' work in a step is cut so the step's planned cost "
             "(from measured step times) stays within this many ms: a number, auto (the class's own work plus a "
-            "one-decode step) or off; a class not named is off"),
+            "one-decode step in one of its steps in four, nothing in the others; a few lone decodes while it is "
+            "present by its hold only) or off; a class not named is off"),
     Setting("step_budget_hold_s", "qos", "step_budget_hold_s", 5.0, float_at_least(0.0),
             "a class counts as present for step_budget_ms this long after its last request left (a request arriving "
             "mid-step waits for the step in flight)"),
