@@ -67,9 +67,9 @@ RANK = {c: i for i, c in enumerate(QOS_CLASSES)}  # 0: high
 # running): a step may cost this many lone decodes. A request of it that arrives waits for the step in
 # flight, so its TTFT grows by at most that much (a lone decode is ~a tenth of an unloaded TTFT through the
 # daemon), and no stream of it has inter-token gaps to keep. Measured with `bench qos` (Zen 5): 4 left the
-# low class 25% of its throughput without QoS, 12 gave it 74%, 16 (with LOWER_JOIN_EVERY) 87% at high TTFT p95
-# 2.4x unloaded.
-HELD_STEP_DECODES = 16
+# low class 25% of its throughput without QoS, 12 gave it 74%; with LOWER_JOIN_EVERY, 16 gave 78-87% at high
+# TTFT p95 2.1-2.4x unloaded, 20 gives 82-92% at 2.5-2.7x (two runs each: the machine's speed drifts).
+HELD_STEP_DECODES = 20
 # While the top class has work of its own, the lower classes join one of this many of its steps (the others
 # carry its work alone). Each step they join adds a cost they use poorly (a few decodes: ~0.3 tokens a ms,
 # against ~1.4 in a held step's larger batch) and stretches the top class's inter-token gap; its requests end
