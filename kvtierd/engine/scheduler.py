@@ -68,7 +68,7 @@ RANK = {c: i for i, c in enumerate(QOS_CLASSES)}  # 0: high
 # flight, so its TTFT grows by at most that much (a lone decode is ~a tenth of an unloaded TTFT through the
 # daemon), and no stream of it has inter-token gaps to keep. Measured with `bench qos` (Zen 5): 4 left the
 # low class 25% of its throughput without QoS, 12 gave it 74%; with LOWER_JOIN_EVERY, 16 gave 78-87% at high
-# TTFT p95 2.1-2.4x unloaded, 20 gives 82-92% at 2.5-2.7x (two runs each: the machine's speed drifts).
+# TTFT p95 2.1-2.4x unloaded (two runs), 20 gives 82-92% at 2.0-2.7x (three runs: the machine's speed drifts).
 HELD_STEP_DECODES = 20
 # While the top class has work of its own, the lower classes join one of this many of its steps (the others
 # carry its work alone). Each step they join adds a cost they use poorly (a few decodes: ~0.3 tokens a ms,
