@@ -210,8 +210,8 @@ async def serve(settings: Settings) -> None:
     # handler_cancellation: a client that hangs up cancels its request, so its generation stops and frees its pages.
     runner = web.AppRunner(make_app(state), handle_signals=False, access_log=None, handler_cancellation=True)
     await runner.setup()
+    freeze_startup_heap()  # before the socket accepts: no request's objects are frozen with it
     await web.SockSite(runner, sock).start()
-    freeze_startup_heap()
     if activated is None:
         log.info("serving on %s", settings.socket)
     else:
