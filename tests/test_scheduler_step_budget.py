@@ -9,11 +9,13 @@ import pytest
 from fake_clock import FakeClock
 from kvtierd.cache.block_hash import namespace_root
 from kvtierd.cache.kv_cache_manager import KVCacheManager
+from kvtierd.cache.loading import LoadTicket
 from kvtierd.engine.config import QosConfig
 from kvtierd.engine.request import Request
 from kvtierd.engine.sampling_params import SamplingParams
-from kvtierd.engine.scheduler import HELD_STEP_DECODES, LOWER_JOIN_EVERY, Scheduler, StepPlan
+from kvtierd.engine.scheduler import HELD_STEP_DECODES, LOWER_JOIN_EVERY, RESTORED_STEP_SHARE, Scheduler, StepPlan
 from kvtierd.engine.step_cost import StepCost, StepCostModel, StepShape
+from kvtierd.tiers.restore_planner import NOTHING_BELOW
 
 ROOT = namespace_root("model-1", "")
 BLOCK = 16
@@ -33,9 +35,9 @@ class Sim:
         self.requests: dict[str, Request] = {}
         self.token = 1000
 
-    def add(self, rid: str, qos_class: str, prompt_len: int, max_tokens: int) -> Request:
-        # Distinct prompts: nothing is shared through the prefix cache.
-        prompt = list(range(self.token, self.token + prompt_len))
+    def add(self, rid: str, qos_class: str, prompt_len: int, max_tokens: int, history: list[int] = ()) -> Request:
+        # Distinct prompts (past a `history` they continue): nothing else is shared through the prefix cache.
+        prompt = [*history, *range(self.token, self.token + prompt_len)]
         self.token += prompt_len
         req = Request(rid, prompt, SamplingParams(max_tokens=max_tokens), None, self.clock.now, ROOT,
                       qos_class=qos_class)
@@ -173,6 +175,53 @@ def test_steps_stay_bounded_for_the_hold_after_the_last_high_request_then_full_c
     assert all(COST.seconds(p.shape) <= 0.060 + 1e-9 for p in bounded)
     sim.clock.advance(1.0)  # past the hold
     assert sim.step().num_tokens == TOKENS_PER_STEP
+
+
+def restored(sim: Sim, history_len: int, new_len: int) -> Request:
+    """A request whose first `history_len` prompt tokens were loaded from below: they are in the prefix index
+    (computed here by an earlier request), and it is admitted with them as its loaded prefix."""
+    history = sim.add("history", "normal", prompt_len=history_len, max_tokens=1).prompt_token_ids
+    while "history" in sim.requests:
+        sim.step()
+    req = sim.add("restored", "normal", prompt_len=new_len, max_tokens=2, history=history)
+    # What its loads left it when they arrived (cache/loading.py): its history, loaded from disk.
+    req.loaded = LoadTicket([], [], [], NOTHING_BELOW, False, None, 0, tokens_by_tier={"disk": history_len})
+    return req
+
+
+def test_a_restored_request_computes_its_rest_in_pieces_within_a_share_of_the_decoding_streams_step():
+    """Streams decoding, a request admitted with 2,048 tokens loaded and 16 to compute: its rest goes in
+    pieces, each keeping the step within RESTORED_STEP_SHARE of the streams' own step."""
+    sim = Sim(OFF)
+    for i in range(3):
+        sim.add(f"stream{i}", "normal", prompt_len=40, max_tokens=100)
+    sim.step()
+    req = restored(sim, history_len=2048, new_len=16)
+    plans = []
+    while req.num_computed_tokens < req.num_prompt_tokens:
+        plans.append(sim.step())
+    pieces = [tokens_of(p, "restored") for p in plans]
+    assert req.num_cached_tokens == 2048 and req.tokens_from_below == {"disk": 2048}
+    assert pieces[0] > 0  # admitted at once with its loaded prefix
+    assert sum(pieces) == 16 and all(pieces) and len(pieces) > 1
+    for p in plans:
+        streams = StepShape(num_decodes=sum(s.request.request_id.startswith("stream") for s in p.scheduled))
+        assert streams.num_decodes == 3  # never left out
+        assert COST.seconds(p.shape) <= (1 + RESTORED_STEP_SHARE) * COST.seconds(streams) + 1e-9
+
+
+def test_a_restored_request_with_a_long_rest_or_alone_computes_it_in_full_chunks():
+    """A rest that would take more than RESTORED_MAX_PIECES pieces (1,500 new tokens): full chunks, as for a
+    load that missed its deadline; with nobody else decoding, nothing to spare: full chunks too."""
+    sim = Sim(OFF)
+    for i in range(3):
+        sim.add(f"stream{i}", "normal", prompt_len=40, max_tokens=100)
+    sim.step()
+    restored(sim, history_len=2048, new_len=1500)
+    assert tokens_of(sim.step(), "restored") == TOKENS_PER_STEP - 3
+    alone = Sim(OFF)
+    restored(alone, history_len=2048, new_len=16)
+    assert tokens_of(alone.step(), "restored") == 16
 
 
 def test_a_high_request_is_not_held_behind_low_ones_that_aged_past_it():

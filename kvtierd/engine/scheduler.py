@@ -19,7 +19,11 @@ the loading requests first: one whose loads all arrived (or whose deadline,
 the planner's recompute estimate, passed) goes back to the head of its
 tenant's queue, holding no pages (the loaded ones are cached), and is admitted
 with them as its cached prefix, recomputing what did not arrive (or was
-evicted meanwhile).
+evicted meanwhile). While others decode, the rest of its prompt (the new
+message past a restored history) goes in pieces that keep their step within
+RESTORED_STEP_SHARE of its cost, when RESTORED_MAX_PIECES of them suffice:
+in one piece, each of its tokens attends over the whole loaded context, and
+the streams' step ran 3-5x its time.
 
 Preemption: when pages run out for a running request, the lowest-class, most
 recently admitted one goes (the end of `running`). Before that, a waiting
@@ -45,7 +49,8 @@ predicts a step's seconds from its prefill tokens, decodes and the context
 they attend over, as measured, per regime in a quantized mode):
 their prefill is chunked finer, and their decodes skip a step when even one
 does not fit. When nothing of a lower class is present, nothing is cut: with
-one class only, steps are as large as the token budget makes them.
+one class only, steps are as large as the token budget makes them (but for a
+restored prompt's rest, above).
 """
 
 from __future__ import annotations
@@ -76,6 +81,14 @@ HELD_STEP_DECODES = 20
 # sooner without them, and the time they leave goes to held steps. Measured with `bench qos` (Zen 5): joining
 # every step, 30% of the flood's time went to top-class steps that gave the low class 4% of its tokens.
 LOWER_JOIN_EVERY = 4
+# A request whose prefix was loaded from below computes the rest of its prompt in pieces while others decode,
+# each piece adding at most this share to their step's predicted cost. In one piece, the 16 tokens past a
+# 2,544-token loaded prefix cost the streams' step 42-55 ms against 11 (`bench stall`, Zen 5): each new token
+# attends over the whole loaded context.
+RESTORED_STEP_SHARE = 0.2
+# ... in at most this many pieces, which bounds what pacing adds to its TTFT: a longer rest (a long new message
+# after a restored history, or a load that missed its deadline and recomputes) goes in full chunks.
+RESTORED_MAX_PIECES = 32
 LOADING = -1  # what `_admit` returns for a request that started loading its prefix instead
 
 
@@ -249,8 +262,11 @@ class Scheduler:
         return n
 
     def _num_new_tokens(self, req: Request, plan: StepPlan, room: _StepRoom) -> int:
-        """Its pending tokens, within the token budget and, for a class below the top one, the time limit."""
+        """Its pending tokens, within the token budget, in pieces for a restored prompt's rest while others
+        decode, and, for a class below the top one, within the time limit."""
         n = min(req.num_pending_tokens, room.tokens)
+        if n > 1 and plan.decodes and req.prefix_loaded and any(req.tokens_from_below.values()):
+            n = self._restored_piece(req, plan.shape, n)
         if room.limit_s is None or not self._is_lower(req, room):
             return n
         cost = self.step_cost.current
@@ -261,6 +277,24 @@ class Scheduler:
             fits = min(n, cost.prefill_tokens_within(plan.shape, room.limit_s, req.num_computed_tokens))
         # A step that would carry nothing still moves: a limit below the fixed overhead cannot stall the engine.
         return fits or (min(n, self.kv.block_size) if plan.empty else 0)
+
+    def _restored_piece(self, req: Request, others: StepShape, n: int) -> int:
+        """How many of the `n` pending prompt tokens of `req` (its prefix loaded from below) go beside the others'
+        work planned (`others`): the most that keep the step within RESTORED_STEP_SHARE of its cost without
+        them (at least one), or all `n` when its prompt's rest would take more than RESTORED_MAX_PIECES."""
+        cost = self.step_cost.current
+        cached = req.num_computed_tokens
+
+        def seconds(k: int) -> float:
+            # The fit charges a sequence's context once (a decode's one query); each new token attends over it.
+            shape = others.plus(num_prefill_tokens=k, num_context_tokens=cached + k)
+            return cost.seconds(shape) + (k - 1) * cost.regime(shape).context_token_s * cached
+
+        limit_s = (1 + RESTORED_STEP_SHARE) * cost.seconds(others)
+        k = 1
+        while k < n and seconds(k + 1) <= limit_s:
+            k += 1
+        return k if req.num_prompt_tokens - cached <= RESTORED_MAX_PIECES * k else n
 
     def _is_lower(self, req: Request, room: _StepRoom) -> bool:
         return RANK[req.qos_class] > RANK[room.top]
