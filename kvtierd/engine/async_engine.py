@@ -45,6 +45,7 @@ class AsyncEngine:
         self._stepping = False
         self._idle_work_due = False  # a step ran since the engine was last idle
         self._has_steps = False  # as BACKGROUND_WORK was last told
+        self._computes = False  # likewise: it has running requests
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._stopped = False
@@ -144,17 +145,24 @@ class AsyncEngine:
             await self._step_while_running()
         finally:
             self._tell_has_steps(False)
+            self._tell_computes(False)
 
     def _tell_has_steps(self, has: bool) -> None:
         if has != self._has_steps:
             self._has_steps = has
             BACKGROUND_WORK.engine_has_steps(has)
 
+    def _tell_computes(self, computes: bool) -> None:
+        if computes != self._computes:
+            self._computes = computes
+            BACKGROUND_WORK.engine_computes(computes)
+
     async def _step_while_running(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
             has_steps = self.engine.has_unfinished()
             self._tell_has_steps(has_steps)
+            self._tell_computes(bool(self.engine.scheduler.running))  # a lone request's loads go at full speed
             if not has_steps:
                 if self._idle_work_due:  # a slice at a time: a request arriving meanwhile is stepped next
                     self._idle_work_due = await self._idle_work()

@@ -20,6 +20,17 @@ starts: waiting, it takes no core, and the step keeps all its threads.
 Shutting a pool down, or `hurry` (a caller about to wait for them), lets
 the waiting tasks start at once. Loads and prefetches never wait: a request
 waits for them.
+
+Loads are paced instead (`pool(..., paced=True)`): they do not count, so a
+step keeps every thread. While an engine computes for running requests, the
+loads run one at a time (a chunk each turn), and each sleeps between slices
+of its work (`pace`, called between a chunk's layers) so that together they
+take about PACED_SHARE of one core. Counted, a load made the steps run at one
+thread for its 100-200 ms, and two loads side by side took both cores: the
+streams' steps ran 1.5-4x their time (`kvtierd bench stall`, 2 cores). Paced,
+a load takes longer and only its own request waits for it. For an engine
+that computes nothing else (a lone restore) loads run at full speed, side by
+side.
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -36,6 +47,11 @@ import torch
 # gap between one request's end and the next one's steps (a chat's next turn sent on the reply, a busy
 # daemon's next request) is shorter than this; an idle spell worth the name is longer.
 IDLE_SPELL_S = 0.1
+# The share of one core paced loads take together while an engine computes for running requests. Measured with
+# `bench stall` (Zen 5, 2 cores; streams' ITL p99 during a load over without it, disk / remote): 0.35 gave
+# 1.46x / 2.16x at a TTFT of 648 / 897 ms, 0.5 gave 2.43x / 2.83x (667 / 812 ms); counted loads, 3.39x / 2.86x
+# (548 / 503 ms).
+PACED_SHARE = 0.35
 
 
 def single_threaded() -> None:
@@ -51,6 +67,10 @@ class BackgroundWork:
         self._pending = 0  # tasks counted and not ended
         self._deferred = 0  # tasks waiting for the engines' idle spells
         self._engines_with_steps = 0
+        self._engines_computing = 0  # engines with running requests: paced tasks slow down for them
+        self._paced_until = float("-inf")  # monotonic: paced tasks sleep until then after their last slice
+        self._paced = threading.local()  # on a paced task's thread: `.cpu_mark`, its CPU time at its last pace
+        self._paced_turn = threading.Lock()  # paced tasks run one at a time while an engine computes
         self._idle_since = float("-inf")  # monotonic time the engines last went idle
         self._hurried_at = float("-inf")  # deferred tasks submitted before this monotonic time start now
 
@@ -73,6 +93,31 @@ class BackgroundWork:
                 self._idle_since = time.monotonic()
                 self._gate.notify_all()
 
+    def engine_computes(self, computes: bool) -> None:
+        """An engine now has running requests (True) or none (False): paced tasks yield to it meanwhile.
+        Called by each engine on each change, and with False when it stops."""
+        with self._lock:
+            self._engines_computing += 1 if computes else -1
+            assert self._engines_computing >= 0, "an engine stopped computing twice"
+            if not self._engines_computing:
+                self._gate.notify_all()
+
+    def pace(self) -> None:
+        """Called by a paced task between slices of its work: while an engine computes, sleeps so that paced
+        tasks together use about PACED_SHARE of a core (the CPU time of its slice, times what that leaves to
+        the steps). Anywhere else (the step thread, a tool) it does nothing."""
+        mark = getattr(self._paced, "cpu_mark", None)
+        if mark is None:
+            return
+        used = time.thread_time() - mark
+        with self._lock:
+            now = time.monotonic()
+            if self._engines_computing:
+                self._paced_until = max(self._paced_until, now) + used * (1 / PACED_SHARE - 1)
+                while self._engines_computing and (now := time.monotonic()) < self._paced_until:
+                    self._gate.wait(self._paced_until - now)
+        self._paced.cpu_mark = time.thread_time()
+
     def hurry(self) -> None:
         """Lets every deferred task submitted so far start now: for a caller about to wait for one between
         steps, which would otherwise wait out its deferral."""
@@ -90,8 +135,12 @@ class BackgroundWork:
         finally:
             self._add(-1)
 
-    def pool(self, max_workers: int, thread_name_prefix: str, defer_s: float = 0.0) -> ThreadPoolExecutor:
-        """A worker pool whose tasks count; with `defer_s` > 0, each yields to steps for up to that long."""
+    def pool(self, max_workers: int, thread_name_prefix: str, defer_s: float = 0.0,
+             paced: bool = False) -> ThreadPoolExecutor:
+        """A worker pool whose tasks count; with `defer_s` > 0, each yields to steps for up to that long;
+        `paced`, its tasks do not count and are paced (`pace`) while an engine computes."""
+        if paced:
+            return _PacedPool(self, max_workers, thread_name_prefix)
         if defer_s > 0:
             return _DeferringPool(self, max_workers, thread_name_prefix, defer_s)
         return _CountedPool(self, max_workers, thread_name_prefix)
@@ -134,6 +183,24 @@ class _CountedPool(ThreadPoolExecutor):
             raise
         future.add_done_callback(lambda _: self._work._add(-1))  # run on cancellation too
         return future
+
+
+class _PacedPool(ThreadPoolExecutor):
+    def __init__(self, work: BackgroundWork, max_workers: int, thread_name_prefix: str) -> None:
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=single_threaded)
+        self._work = work
+
+    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
+        return super().submit(self._paced, fn, args, kwargs)
+
+    def _paced(self, fn: Callable, args: tuple, kwargs: dict) -> object:
+        work = self._work
+        with work._paced_turn if work._engines_computing else nullcontext():
+            work._paced.cpu_mark = time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                work._paced.cpu_mark = None
 
 
 class _DeferringPool(ThreadPoolExecutor):

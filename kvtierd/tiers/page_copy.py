@@ -21,6 +21,7 @@ import torch
 import xxhash
 
 from kvtierd.storage.device_pool import DeviceKVPool
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 
 
 class PageCopier:
@@ -73,6 +74,7 @@ class PageCopier:
                 v[first : first + n].copy_(kv[layer, 1, skip + at : skip + at + n], non_blocking=True)
             if payload is not None:
                 hasher.update(payload[layer * per_layer : (layer + 1) * per_layer])
+            BACKGROUND_WORK.pace()  # a load on a transfer worker yields to the steps between layers
         if dev.device.type == "cuda":
             torch.cuda.current_stream(dev.device).synchronize()  # the source may be rewritten once we return
         return hasher.intdigest()

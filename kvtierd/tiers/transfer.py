@@ -21,6 +21,10 @@ cancelled and its pages go back at once; one being copied keeps its pages until
 the copy ends (`reap`), so nothing else is written into them meanwhile. The
 caller owns the pages' references: this table only says when they may go.
 
+The workers are paced (tiers/background_work.py): while the engine computes
+for running requests, loads take turns, a chunk each, and yield a core to
+the steps between a chunk's layers.
+
 Transfer times are recorded per tier and direction (`TransferStats`): loads
 here, stores by the tier manager (host) and the writers (disk, remote).
 """
@@ -37,7 +41,9 @@ from kvtierd.tiers.background_work import BACKGROUND_WORK, single_threaded
 from kvtierd.tiers.chunk import FoundChunk
 from kvtierd.tiers.tier import Tier
 
-TRANSFER_WORKERS = 2  # two loads of different chunks run side by side: one request never waits behind another's
+# Two loads of different chunks run side by side (or, paced, take turns a chunk each): one request never waits
+# behind another's whole load.
+TRANSFER_WORKERS = 2
 LOOKUP_WORKERS = 2  # lookups of two requests run side by side: one stuck on a dead Redis does not hold the other
 # Upper bounds (seconds) of the transfer-time histogram's buckets.
 TRANSFER_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -111,7 +117,7 @@ class TransferQueue:
         self._load = load
         self._bytes_per_page = bytes_per_page
         self.num_workers = workers
-        self._pool = BACKGROUND_WORK.pool(workers, "kvtierd-transfer")
+        self._pool = BACKGROUND_WORK.pool(workers, "kvtierd-transfer", paced=True)
         self._lookup_pool = ThreadPoolExecutor(max_workers=LOOKUP_WORKERS, thread_name_prefix="kvtierd-lookup",
                                                initializer=single_threaded)
         self._lookups = 0  # lookups not finished yet (under `_finished`)

@@ -1,0 +1,110 @@
+"""Paced loads: uncounted (a step keeps every thread), one at a time while an engine computes for running
+requests, sleeping between slices of their work, and at full speed, side by side, for an engine that computes
+nothing else. Events, not clocks: what is checked is which task runs when, never how long anything took."""
+
+import threading
+import time
+
+from kvtierd.tiers.background_work import BackgroundWork
+
+
+def burn_cpu(seconds: float) -> None:
+    """Uses this thread's CPU for `seconds` (thread time: the same on a slow machine as on a fast one)."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_paced_tasks_do_not_count_so_a_step_keeps_every_thread():
+    work = BackgroundWork()
+    pool = work.pool(2, "test-paced", paced=True)
+    release = threading.Event()
+    try:
+        task = pool.submit(release.wait)
+        assert not work.busy
+        release.set()
+        assert task.result(timeout=30)
+    finally:
+        release.set()
+        pool.shutdown(wait=True)
+
+
+def test_paced_tasks_run_one_at_a_time_while_an_engine_computes_and_side_by_side_when_none_does():
+    work = BackgroundWork()
+    pool = work.pool(2, "test-paced", paced=True)
+    events: list[str] = []
+    first_in, second_in, go = threading.Event(), threading.Event(), threading.Event()
+
+    def first() -> None:
+        events.append("first starts")
+        first_in.set()
+        go.wait(30)
+        events.append("first ends")
+
+    def second() -> None:
+        second_in.set()
+        events.append("second starts")
+
+    try:
+        work.engine_computes(True)
+        a = pool.submit(first)
+        assert first_in.wait(30)
+        b = pool.submit(second)
+        assert not second_in.wait(0.2)  # a free worker, but the first task has the turn
+        go.set()
+        a.result(timeout=30)
+        b.result(timeout=30)
+        assert events == ["first starts", "first ends", "second starts"]
+
+        work.engine_computes(False)  # nothing running: loads for a lone request go at once, side by side
+        both_in = threading.Barrier(2, timeout=30)
+        tasks = [pool.submit(both_in.wait) for _ in range(2)]
+        for t in tasks:
+            t.result(timeout=30)  # a BrokenBarrierError here: they ran one at a time
+    finally:
+        go.set()
+        pool.shutdown(wait=True)
+
+
+def test_a_paced_task_sleeps_between_slices_until_the_engine_stops_computing():
+    """A slice of CPU time, then `pace`: it waits (its share of a core is spent) while the engine computes, and
+    goes on as soon as the engine has nothing running."""
+    work = BackgroundWork()
+    pool = work.pool(1, "test-paced", paced=True)
+    sliced, paced = threading.Event(), threading.Event()
+
+    def load() -> None:
+        burn_cpu(0.5)  # its sleep would be longer than the test waits below
+        sliced.set()
+        work.pace()
+        paced.set()
+
+    try:
+        work.engine_computes(True)
+        task = pool.submit(load)
+        assert sliced.wait(60)
+        assert not paced.wait(0.2)  # yielding to the steps
+        work.engine_computes(False)
+        task.result(timeout=30)
+        assert paced.is_set()
+    finally:
+        pool.shutdown(wait=True)
+
+
+def test_pace_does_nothing_outside_a_paced_task():
+    """The step thread (or a tool) copying pages through the same code never waits."""
+    work = BackgroundWork()
+    work.engine_computes(True)
+
+    def copy_on_a_plain_thread() -> None:
+        burn_cpu(0.5)
+        work.pace()
+
+    thread = threading.Thread(target=copy_on_a_plain_thread)
+    thread.start()
+    thread.join(60)
+    try:
+        assert not thread.is_alive()  # it did not wait for the engine to stop computing
+    finally:
+        work.engine_computes(False)
+        thread.join()
