@@ -5,6 +5,7 @@ nothing else. Events, not clocks: what is checked is which task runs when, never
 import threading
 import time
 
+from kvtierd.tiers import background_work
 from kvtierd.tiers.background_work import BackgroundWork
 
 
@@ -108,3 +109,45 @@ def test_pace_does_nothing_outside_a_paced_task():
     finally:
         work.engine_computes(False)
         thread.join()
+
+
+def test_a_paced_task_stops_yielding_at_its_bound(monkeypatch):
+    """Past its `pace_until` (a share of its request's deadline), a load goes at full speed."""
+    monkeypatch.setattr(background_work, "PACED_SHARE", 1e-9)  # a slice's sleep would outlast the test
+    work = BackgroundWork()
+    pool = work.pool(1, "test-paced", paced=True)
+
+    def load() -> None:
+        work.pace_until(time.monotonic() - 1.0)  # already past
+        burn_cpu(0.1)
+        work.pace()
+
+    try:
+        work.engine_computes(True)
+        pool.submit(load).result(timeout=60)  # the engine still computes: it did not wait for it to stop
+    finally:
+        work.engine_computes(False)
+        pool.shutdown(wait=True)
+
+
+def test_paced_work_that_cannot_yield_counts_and_does_not_pace(monkeypatch):
+    """A load whose work comes in one piece (a fleet value's GET, HMAC and decode) takes the core the steps
+    leave to counted work, instead of sleeping after it."""
+    monkeypatch.setattr(background_work, "PACED_SHARE", 1e-9)
+    work = BackgroundWork()
+    pool = work.pool(1, "test-paced", paced=True)
+
+    def load() -> bool:
+        with work.counted():
+            busy = work.busy
+            burn_cpu(0.1)
+            work.pace()
+        return busy
+
+    try:
+        work.engine_computes(True)
+        assert pool.submit(load).result(timeout=60) is True
+        assert not work.busy
+    finally:
+        work.engine_computes(False)
+        pool.shutdown(wait=True)

@@ -56,6 +56,10 @@ log = logging.getLogger(__name__)
 # Past it the request recomputes, having lost at most this share of its TTFT. Waiting the whole estimate, a
 # slow Redis added over a second to every new prompt's TTFT.
 LOOKUP_WAIT_SHARE = 0.1
+# Loads yield to the running requests' steps (tiers/background_work.py) during this share of the time from the
+# request's arrival to its deadline, and go at full speed after it: paced for as long as the deadline allowed, a
+# slow fleet load ran past it and its request recomputed in full chunks (`bench stall`: 0.8 s steps).
+PACED_DEADLINE_SHARE = 0.5
 
 
 @dataclass(eq=False, slots=True)
@@ -186,7 +190,9 @@ class Loading:
                 if pages is None:
                     break
                 self._save_evicted()
-                load = self._transfers.submit(seq_id, found, skip, pages, t.high)
+                pace_until = None if t.deadline is None else \
+                    t.started + PACED_DEADLINE_SHARE * (t.deadline - t.started)
+                load = self._transfers.submit(seq_id, found, skip, pages, t.high, pace_until)
             t.loads.append(load)
         if t.loads or t.deadline is None:
             t.unstarted = []

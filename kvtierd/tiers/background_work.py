@@ -102,20 +102,27 @@ class BackgroundWork:
             if not self._engines_computing:
                 self._gate.notify_all()
 
+    def pace_until(self, until: float | None) -> None:
+        """The paced task on this thread sleeps no more once monotonic `until` has passed (None: no bound): a
+        load must arrive well within its deadline, or its request recomputes."""
+        self._paced.until = until
+
     def pace(self) -> None:
         """Called by a paced task between slices of its work: while an engine computes, sleeps so that paced
         tasks together use about PACED_SHARE of a core (the CPU time of its slice, times what that leaves to
-        the steps). Anywhere else (the step thread, a tool) it does nothing."""
+        the steps), up to its `pace_until`. Anywhere else (the step thread, a tool) it does nothing."""
         mark = getattr(self._paced, "cpu_mark", None)
         if mark is None:
             return
         used = time.thread_time() - mark
+        until = self._paced.until
         with self._lock:
             now = time.monotonic()
-            if self._engines_computing:
+            if self._engines_computing and (until is None or now < until):
                 self._paced_until = max(self._paced_until, now) + used * (1 / PACED_SHARE - 1)
-                while self._engines_computing and (now := time.monotonic()) < self._paced_until:
-                    self._gate.wait(self._paced_until - now)
+                wake = self._paced_until if until is None else min(self._paced_until, until)
+                while self._engines_computing and (now := time.monotonic()) < wake:
+                    self._gate.wait(wake - now)
         self._paced.cpu_mark = time.thread_time()
 
     def hurry(self) -> None:
@@ -128,12 +135,16 @@ class BackgroundWork:
     @contextmanager
     def counted(self) -> Iterator[None]:
         """Counts what runs inside it: for a thread whose work only sometimes computes (a prefetch computes
-        only once its lookup found something to copy up)."""
+        only once its lookup found something to copy up), or a paced task's work that cannot yield (it then
+        takes the core the steps leave it, and does not pace)."""
+        mark = getattr(self._paced, "cpu_mark", None)
+        self._paced.cpu_mark = None
         self._add(1)
         try:
             yield
         finally:
             self._add(-1)
+            self._paced.cpu_mark = mark if mark is None else time.thread_time()
 
     def pool(self, max_workers: int, thread_name_prefix: str, defer_s: float = 0.0,
              paced: bool = False) -> ThreadPoolExecutor:
@@ -196,7 +207,7 @@ class _PacedPool(ThreadPoolExecutor):
     def _paced(self, fn: Callable, args: tuple, kwargs: dict) -> object:
         work = self._work
         with work._paced_turn if work._engines_computing else nullcontext():
-            work._paced.cpu_mark = time.thread_time()
+            work._paced.cpu_mark, work._paced.until = time.thread_time(), None
             try:
                 return fn(*args, **kwargs)
             finally:

@@ -15,7 +15,7 @@ from kvtierd.storage.kv_frame import ChunkIdentity, claimed_identity, decode_fra
 from kvtierd.storage.store_errors import CorruptValueError, StoreUnavailableError
 from kvtierd.tiers.chunk import ChunkSpan
 from kvtierd.tiers.epoch import Epoch
-from kvtierd.tiers.frame_pages import scatter_frame, tensor_bytes, writable
+from kvtierd.tiers.frame_pages import RAW_CODEC, scatter_frame, tensor_bytes, writable
 from kvtierd.tiers.page_copy import PageCopier
 from kvtierd.tiers.tier import Tier
 from kvtierd.tiers.tier_stats import Reconciliation, TierCounts
@@ -30,6 +30,10 @@ class DiskBackend(WriterBackend):
                  counts: TierCounts, transfer_stats: TransferStats, defer_s: float = 0.0) -> None:
         super().__init__(store, codec, max_pending_bytes, pages, counts, transfer_stats, defer_s)
         self._epoch = epoch
+
+    @property
+    def loads_yield(self) -> bool:
+        return self.codec == RAW_CODEC  # another codec decodes a value in one piece
 
     def usable(self) -> bool:
         return self.writer.failure is None

@@ -27,6 +27,7 @@ from kvtierd.tiers.writer_backend import WriterBackend
 
 class RemoteBackend(WriterBackend):
     tier = Tier.REMOTE
+    loads_yield = False
 
     def __init__(self, store: RedisStore, codec: str, max_pending_bytes: int, pages: PageCopier,
                  counts: TierCounts, transfer_stats: TransferStats, defer_s: float = 0.0) -> None:

@@ -57,6 +57,7 @@ class ChunkLoad:
     high: bool  # the class the pages were taken for (they are released for it)
     future: Future  # its result: the Tier it counts for, or None (gone from its tier, or a failed check)
     waiters: set[str] = field(default_factory=set)
+    pace_until: float | None = None  # monotonic: it yields to the steps until then at most (None: no bound)
 
     @property
     def key(self) -> tuple[bytes, int]:
@@ -137,8 +138,9 @@ class TransferQueue:
         """The load of this chunk (the same pages of it) under way, to join instead of loading it again."""
         return self._in_flight.get((found.span.last_hash, skip))
 
-    def submit(self, waiter: str, found: FoundChunk, skip: int, block_ids: Sequence[int], high: bool) -> ChunkLoad:
-        load = ChunkLoad(found, skip, tuple(block_ids), high, Future(), {waiter})
+    def submit(self, waiter: str, found: FoundChunk, skip: int, block_ids: Sequence[int], high: bool,
+               pace_until: float | None = None) -> ChunkLoad:
+        load = ChunkLoad(found, skip, tuple(block_ids), high, Future(), {waiter}, pace_until)
         load.future = self._pool.submit(self._run, load)
         load.future.add_done_callback(self._notify)
         self._in_flight[load.key] = load
@@ -210,6 +212,7 @@ class TransferQueue:
 
     def _run(self, load: ChunkLoad) -> Tier | None:
         t0 = time.perf_counter()
+        BACKGROUND_WORK.pace_until(load.pace_until)
         tier = self._load(load.found, load.skip, load.block_ids)
         if tier is not None:
             self.stats.observe(load.found.tier, "load", time.perf_counter() - t0,
