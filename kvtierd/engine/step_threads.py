@@ -11,9 +11,10 @@ background work is pending, a step leaves it one core; steps go back to every
 thread when it is done. The lower tiers' writes mostly wait for the engine's
 idle spells instead (tiers/background_work.py); waiting, they are not pending,
 so only one that runs (past its deferral bound, or started in an idle spell a
-request then ended) takes the step's core. Loads are not counted: they are
-paced (a share of one core, in slices between which they sleep), and a
-step keeps every thread beside them.
+request then ended) takes the step's core. Loads from the host and a raw
+disk tier are not counted: they are paced (a share of one core, in slices
+between which they sleep), and a step keeps every thread beside them; a
+fleet load (its work in one piece) counts.
 
 OpenMP keeps the thread count per calling thread: `before_step` is called on
 the thread that runs the step.
