@@ -28,9 +28,10 @@ of its work (`pace`, called between a chunk's layers) so that together they
 take about PACED_SHARE of one core. Counted, a load made the steps run at one
 thread for its 100-200 ms, and two loads side by side took both cores: the
 streams' steps ran 1.5-4x their time (`kvtierd bench stall`, 2 cores). Paced,
-a load takes longer and only its own request waits for it. For an engine
-that computes nothing else (a lone restore) loads run at full speed, side by
-side.
+a load takes longer and only its own request waits for it. A load whose
+work cannot yield (a fleet value's GET, HMAC and decode, in one piece) is
+`counted` instead, still one at a time. For an engine that computes nothing
+else (a lone restore) loads run at full speed, side by side.
 """
 
 from __future__ import annotations
@@ -48,9 +49,8 @@ import torch
 # daemon's next request) is shorter than this; an idle spell worth the name is longer.
 IDLE_SPELL_S = 0.1
 # The share of one core paced loads take together while an engine computes for running requests. Measured with
-# `bench stall` (Zen 5, 2 cores; streams' ITL p99 during a load over without it, disk / remote): 0.35 gave
-# 1.46x / 2.16x at a TTFT of 648 / 897 ms, 0.5 gave 2.43x / 2.83x (667 / 812 ms); counted loads, 3.39x / 2.86x
-# (548 / 503 ms).
+# `bench stall` (Zen 5, 2 cores; the streams' ITL p99 during a disk load over without it): 0.35 gave 1.46x at a
+# TTFT of 648 ms, 0.5 gave 2.43x (667 ms); counted loads, 3.39x (548 ms).
 PACED_SHARE = 0.35
 
 
