@@ -7,7 +7,7 @@ it. The C kernel reads the pages in place, once per KV head. Without a
 compiler the model keeps the torch path (`kvtierctl status` names the backend
 in use).
 
-The kernel shares its (sequence, KV head) items among OpenMP threads, as many
+The kernel shares its (KV head, context segment) items among OpenMP threads, as many
 as torch computes with at the call (`engine/step_threads.py` may leave one to
 the tiers), or one for a call too small to pay for waking the others.
 """
@@ -28,7 +28,7 @@ MAX_GROUP = 16  # the kernel's bound on query heads per KV head
 PARALLEL_MIN_WORK = 1024
 
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_ARGTYPES = [_P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I32, _I32, _I32, _F32, _I32, _I32]
+_ARGTYPES = [_P, _P, _I64, _P, _P, _P, _I64, _P, _I64, _I32, _I32, _I32, _F32, _I32]
 
 
 class CpuDecodeKernel:
@@ -56,7 +56,7 @@ class CpuDecodeKernel:
         threads = torch.get_num_threads() if sum(context_lens_host) * num_kv_heads >= PARALLEL_MIN_WORK else 1
         status = self._fn(out.data_ptr(), q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                           block_tables.data_ptr(), block_tables.stride(0), context_lens.data_ptr(), n, num_heads,
-                          num_kv_heads, k_cache.shape[1], scale, max(context_lens_host, default=0), threads)
+                          num_kv_heads, k_cache.shape[1], scale, threads)
         if status != 0:
             raise MemoryError(f"CPU decode attention: no memory for its scores, or more than {MAX_GROUP} query "
                               "heads share a KV head")
