@@ -35,11 +35,13 @@ def test_decodes_attend_as_written_out(dim, threads):
     gen = torch.Generator().manual_seed(dim + threads)
     k_cache = torch.randn(600, BLOCK, KV_HEADS, dim, generator=gen).bfloat16()
     v_cache = torch.randn(600, BLOCK, KV_HEADS, dim, generator=gen).bfloat16()
-    context_lens = [40, 2100, 1, 1000, 17, 3000]  # one long row holds most tokens: the split is by tokens
-    batch, tables = scattered_batch(context_lens, [1] * 6, 6, BLOCK, 600, gen)
-    qkv = torch.randn(6, HEADS + 2 * KV_HEADS, dim, generator=gen).bfloat16()
+    # Long rows span several of the kernel's 512-token segments (one ends exactly at one, one just past it).
+    context_lens = [40, 2100, 1, 1000, 17, 3000, 512, 513]
+    n = len(context_lens)
+    batch, tables = scattered_batch(context_lens, [1] * n, n, BLOCK, 600, gen)
+    qkv = torch.randn(n, HEADS + 2 * KV_HEADS, dim, generator=gen).bfloat16()
     q = qkv[:, :HEADS]  # strided rows, as the model hands them over
-    out = torch.empty(6, HEADS, dim, dtype=torch.bfloat16)
+    out = torch.empty(n, HEADS, dim, dtype=torch.bfloat16)
     scale = dim**-0.5
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -55,6 +57,20 @@ def test_decodes_attend_as_written_out(dim, threads):
         expected = _naive_decode(q[i], k, v, scale)
         # float32 arithmetic, one rounding to bfloat16 at the end: within half a bfloat16 step of the exact value
         assert torch.allclose(out[i].double(), expected, atol=2e-3, rtol=2**-8), f"sequence {i}"
+
+
+def test_an_empty_context_attends_to_nothing_and_yields_zeros():
+    k_cache = torch.randn(8, BLOCK, KV_HEADS, 64).bfloat16()
+    v_cache = torch.randn(8, BLOCK, KV_HEADS, 64).bfloat16()
+    tables = torch.tensor([[0, 0], [3, 5]], dtype=torch.int32)
+    q = torch.randn(2, HEADS, 64).bfloat16()
+    out = torch.full_like(q, 7.0)
+    cpu_decode_kernel(64).decode(out, q, k_cache, v_cache, tables, torch.tensor([0, 20], dtype=torch.int32),
+                                 [0, 20], 0.125)
+    assert (out[0] == 0).all()
+    expected = _naive_decode(q[1], k_cache[[3, 5]].reshape(-1, KV_HEADS, 64)[:20],
+                             v_cache[[3, 5]].reshape(-1, KV_HEADS, 64)[:20], 0.125)
+    assert torch.allclose(out[1].double(), expected, atol=2e-3, rtol=2**-8)
 
 
 def test_a_mixed_step_matches_the_torch_reference_and_the_backend_is_chosen_for_16_bit_kv():
