@@ -16,6 +16,14 @@ def burn_cpu(seconds: float) -> None:
         pass
 
 
+def wait_until(condition, limit_s: float = 30.0) -> None:
+    """Polls `condition` until it holds; fails only if it never does within a generous bound."""
+    end = time.monotonic() + limit_s
+    while not condition():
+        assert time.monotonic() < end, "the condition never held"
+        time.sleep(0.001)
+
+
 def test_paced_tasks_do_not_count_so_a_step_keeps_every_thread():
     work = BackgroundWork()
     pool = work.pool(2, "test-paced", paced=True)
@@ -149,5 +157,28 @@ def test_paced_work_that_cannot_yield_counts_and_does_not_pace(monkeypatch):
         assert pool.submit(load).result(timeout=60) is True
         assert not work.busy
     finally:
+        work.engine_computes(False)
+        pool.shutdown(wait=True)
+
+
+def test_a_task_counted_until_done_counts_from_its_submission_while_it_waits_its_turn():
+    """A fleet load waiting for its turn behind another already counts: no step starts at every thread just
+    before its burst."""
+    work = BackgroundWork()
+    pool = work.pool(1, "test-paced", paced=True)
+    release = threading.Event()
+    try:
+        work.engine_computes(True)
+        first = pool.submit(release.wait, 30)
+        assert not work.busy  # a paced task that yields does not count
+        queued = pool.submit(lambda: None)
+        work.count_until_done(queued)
+        assert work.busy  # queued behind the first, not started, and counted already
+        release.set()
+        first.result(timeout=30)
+        queued.result(timeout=30)
+        wait_until(lambda: not work.busy)  # its count ends in a done-callback, which may run after result()
+    finally:
+        release.set()
         work.engine_computes(False)
         pool.shutdown(wait=True)

@@ -146,6 +146,12 @@ class BackgroundWork:
             self._add(-1)
             self._paced.cpu_mark = mark if mark is None else time.thread_time()
 
+    def count_until_done(self, future: Future) -> None:
+        """Counts a submitted task from now until it ends (or is cancelled): a paced pool's task that cannot
+        yield, counted from its submission so that no step starts at every thread just before it runs."""
+        self._add(1)
+        future.add_done_callback(lambda _: self._add(-1))
+
     def pool(self, max_workers: int, thread_name_prefix: str, defer_s: float = 0.0,
              paced: bool = False) -> ThreadPoolExecutor:
         """A worker pool whose tasks count; with `defer_s` > 0, each yields to steps for up to that long;
