@@ -6,7 +6,10 @@ import threading
 import time
 
 from kvtierd.tiers import background_work
-from kvtierd.tiers.background_work import BackgroundWork
+from kvtierd.tiers.background_work import BACKGROUND_WORK, BackgroundWork
+from kvtierd.tiers.chunk import ChunkSpan, FoundChunk
+from kvtierd.tiers.tier import Tier
+from kvtierd.tiers.transfer import TransferQueue, TransferStats
 
 
 def burn_cpu(seconds: float) -> None:
@@ -138,27 +141,29 @@ def test_a_paced_task_stops_yielding_at_its_bound(monkeypatch):
         pool.shutdown(wait=True)
 
 
-def test_paced_work_that_cannot_yield_counts_and_does_not_pace(monkeypatch):
-    """A load whose work comes in one piece (a fleet value's GET, HMAC and decode) takes the core the steps
-    leave to counted work, instead of sleeping after it."""
-    monkeypatch.setattr(background_work, "PACED_SHARE", 1e-9)
-    work = BackgroundWork()
-    pool = work.pool(1, "test-paced", paced=True)
+def test_a_load_whose_tier_cannot_yield_counts_and_does_not_pace(monkeypatch):
+    """A fleet value's load (its GET, HMAC and decode in one piece) takes the core the steps leave to counted
+    work, instead of sleeping after it: through the transfer queue, as the tier manager submits it."""
+    monkeypatch.setattr(background_work, "PACED_SHARE", 1e-9)  # were it paced, it would sleep past the test
+    seen: list[bool] = []
 
-    def load() -> bool:
-        with work.counted():
-            busy = work.busy
-            burn_cpu(0.1)
-            work.pace()
-        return busy
+    def load(found, skip, block_ids):
+        seen.append(BACKGROUND_WORK.busy)
+        burn_cpu(0.1)
+        BACKGROUND_WORK.pace()
+        return Tier.REMOTE
 
+    queue = TransferQueue(load, 1, TransferStats(), yields=lambda found: found.tier is not Tier.REMOTE)
+    BACKGROUND_WORK.engine_computes(True)
     try:
-        work.engine_computes(True)
-        assert pool.submit(load).result(timeout=60) is True
-        assert not work.busy
+        chunk = FoundChunk(Tier.REMOTE, ChunkSpan(b"ns", 0, (b"h",), (1,)))
+        done = queue.submit("r1", chunk, 0, [0], False, pace_until=None)
+        assert done.future.result(timeout=60) is Tier.REMOTE
+        assert seen == [True]
+        wait_until(lambda: not BACKGROUND_WORK.busy)
     finally:
-        work.engine_computes(False)
-        pool.shutdown(wait=True)
+        BACKGROUND_WORK.engine_computes(False)
+        queue.close()
 
 
 def test_a_task_counted_until_done_counts_from_its_submission_while_it_waits_its_turn():

@@ -30,7 +30,8 @@ thread for its 100-200 ms, and two loads side by side took both cores: the
 streams' steps ran 1.5-4x their time (`kvtierd bench stall`, 2 cores). Paced,
 a load takes longer and only its own request waits for it. A load whose
 work cannot yield (a fleet value's GET, HMAC and decode, in one piece) is
-`counted` instead, still one at a time. For an engine that computes nothing
+counted instead, from its submission (`count_until_done`), and does not
+pace; still one at a time. For an engine that computes nothing
 else (a lone restore) loads run at full speed, side by side.
 """
 
@@ -135,16 +136,12 @@ class BackgroundWork:
     @contextmanager
     def counted(self) -> Iterator[None]:
         """Counts what runs inside it: for a thread whose work only sometimes computes (a prefetch computes
-        only once its lookup found something to copy up), or a paced task's work that cannot yield (it then
-        takes the core the steps leave it, and does not pace)."""
-        mark = getattr(self._paced, "cpu_mark", None)
-        self._paced.cpu_mark = None
+        only once its lookup found something to copy up)."""
         self._add(1)
         try:
             yield
         finally:
             self._add(-1)
-            self._paced.cpu_mark = mark if mark is None else time.thread_time()
 
     def count_until_done(self, future: Future) -> None:
         """Counts a submitted task from now until it ends (or is cancelled): a paced pool's task that cannot

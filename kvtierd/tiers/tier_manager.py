@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 from kvtierd.storage.device_pool import DeviceKVPool
@@ -175,11 +174,8 @@ class TierManager:
                 self._prefetcher.wait_for(found.span.last_hash)
             if host.has(host.key(found.span.last_hash)):
                 served = host
-        if served is None:
+        if served is None or not served.load(found.span, skip, block_ids):
             return None
-        with nullcontext() if served.loads_yield else BACKGROUND_WORK.counted():
-            if not served.load(found.span, skip, block_ids):
-                return None
         self.planner.observe_load(served.tier, len(block_ids) * self.bytes_per_page, time.perf_counter() - t0)
         # A prefetched copy counts for the tier that had the chunk.
         tier = found.tier if self._prefetcher is None else self._prefetcher.origin(found.span.last_hash, found.tier)

@@ -144,9 +144,12 @@ class TransferQueue:
 
     def submit(self, waiter: str, found: FoundChunk, skip: int, block_ids: Sequence[int], high: bool,
                pace_until: float | None = None) -> ChunkLoad:
-        load = ChunkLoad(found, skip, tuple(block_ids), high, Future(), {waiter}, pace_until)
+        yields = self._yields(found)
+        # A load that cannot yield does not pace (its bound is already past): sleeping would only lengthen it.
+        load = ChunkLoad(found, skip, tuple(block_ids), high, Future(), {waiter},
+                         pace_until if yields else float("-inf"))
         load.future = self._pool.submit(self._run, load)
-        if not self._yields(found):
+        if not yields:
             # Counted from now, not from when a worker takes it: a step starting at every thread while it
             # waits for its turn would run beside its burst (a 3-decode step took 80 ms).
             BACKGROUND_WORK.count_until_done(load.future)
