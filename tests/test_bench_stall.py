@@ -32,10 +32,13 @@ def test_stall_bench_measures_the_streams_around_each_load_and_the_next_turns():
     assert disk["loaded_by_tier"].get("disk", 0) >= 256 or disk["restore"]["decision"] == "recompute"
     for r in (disk, slow):
         assert r["stream_errors"] == 0
-        assert r["loads"] == len(r["ttft_load_all_ms"]) == len(r["ttft_recompute_all_ms"]) == 2
-        assert r["ttft_load_ms"] > 0 and r["ttft_recompute_ms"] > 0
+        assert r["loads"] == len(r["ttft_load_all_ms"]) == len(r["ttft_recompute_all_ms"]) == \
+            len(r["ttft_device_hit_all_ms"]) == 2
+        assert r["ttft_load_ms"] > 0 and r["ttft_recompute_ms"] > 0 and r["ttft_device_hit_ms"] > 0
         assert r["window_ms"] == pytest.approx(r["ttft_load_ms"])
-        for window in (r["without_load"], r["with_load"]):
+        # The same prompt sent again found its pages on the device, loaded or computed the first time.
+        assert set(r["device_hit_by_tier"]) == {"device"} and r["device_hit_by_tier"]["device"] >= 256
+        for window in (r["without_load"], r["with_load"], r["with_device_hit"], r["with_recompute"]):
             if window["gaps"]:
                 assert 0 < window["p50_ms"] <= window["p99_ms"] <= window["max_ms"]
         assert 0 < r["baseline_window_ms"] <= r["window_ms"] + 1e-6

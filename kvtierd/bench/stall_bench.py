@@ -14,16 +14,23 @@ and host tier hold nothing of them:
     remote stopped  the same, redis-server stopped right before the first load (the last scenario)
 
 In each, `streams` chat streams decode back to back; after `head_start_s`
-a long prompt is sent (the load), and once it answered, a fresh prompt of
+a long prompt is sent (the load); once it answered, the same prompt again
+(its pages are on the device now: the device hit), then a fresh prompt of
 the same length (nothing cached: the recompute); then, after a quiet spell,
 the next of `load_repeats` long prompts the same way. The streams'
 inter-token gaps (ITL) are taken in each load window (from sending the long
-prompt to its first token) and in the window of the same length right before
-it, and pooled over the loads; the TTFTs are medians:
+prompt to its first token), in the window of the same length right before
+it, and in each device hit's and recompute's window, and pooled over the
+loads; the TTFTs are medians:
 
     streams   ─┬─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─ tok ─┬─ ...
                |<---- without load (same length) --->|<--- load window ---->|
     long prompt                                      send              first token
+
+The device hit tells the transfer's own part from the rest: it admits the
+same long context with nothing to transfer, so what the load window costs the
+streams beyond it is the load's. The recompute's window is what a load that
+falls back to recomputing (a slow or stopped Redis) cannot do better than.
 
 A gap belongs to the window its second token arrived in. Then, on the writer
 daemon (disk and remote on), the stores: a chat session's next turn sent right
@@ -270,16 +277,25 @@ async def _measure(socket: Path, w: StallWorkload, name: str, prompts: list[list
         if before_load is not None:
             await asyncio.to_thread(before_load)
         quiet_since = t_start + 1.0  # the streams' first second is not steady yet
-        loads, recomputes, windows, infos = [], [], [], []
+        loads, hits, recomputes, infos, hit_infos = [], [], [], [], []
+        windows, hit_windows, fresh_windows = [], [], []
         for prompt, other in zip(prompts, fresh, strict=True):
             if before_each is not None:
                 await asyncio.to_thread(before_each)
             t_send = time.perf_counter()
             ttft_load, info = await _completion(client, prompt)
             await asyncio.sleep(0.5)
+            t_hit = time.perf_counter()
+            ttft_hit, hit_info = await _completion(client, prompt)
+            hit_infos.append(hit_info)
+            hit_windows.append((t_hit, t_hit + ttft_hit))
+            await asyncio.sleep(0.5)
+            t_fresh = time.perf_counter()
             ttft_recompute, _ = await _completion(client, other)
+            fresh_windows.append((t_fresh, t_fresh + ttft_recompute))
             windows.append((max(quiet_since, t_send - ttft_load), t_send, t_send + ttft_load))
             loads.append(ttft_load * 1e3)
+            hits.append(ttft_hit * 1e3)
             recomputes.append(ttft_recompute * 1e3)
             infos.append(info)
             await asyncio.sleep(max(1.0, 1.2 * ttft_load))
@@ -290,12 +306,16 @@ async def _measure(socket: Path, w: StallWorkload, name: str, prompts: list[list
     info = infos[0]
     return {"scenario": name, "loaded_by_tier": {t: n for t, n in info.get("cached_tokens_by_tier", {}).items() if n},
             "restore": info.get("restore"), "loads": len(loads),
+            "device_hit_by_tier": {t: n for t, n in hit_infos[0].get("cached_tokens_by_tier", {}).items() if n},
             "ttft_load_ms": statistics.median(loads), "ttft_recompute_ms": statistics.median(recomputes),
-            "ttft_load_all_ms": loads, "ttft_recompute_all_ms": recomputes,
+            "ttft_device_hit_ms": statistics.median(hits),
+            "ttft_load_all_ms": loads, "ttft_recompute_all_ms": recomputes, "ttft_device_hit_all_ms": hits,
             "window_ms": statistics.median((end - send) * 1e3 for _, send, end in windows),
             "baseline_window_ms": statistics.median((send - base) * 1e3 for base, send, _ in windows),
             "without_load": _itl([g for base, send, _ in windows for g in log.gaps_ms(base, send)]),
             "with_load": _itl([g for _, send, end in windows for g in log.gaps_ms(send, end)]),
+            "with_device_hit": _itl([g for start, end in hit_windows for g in log.gaps_ms(start, end)]),
+            "with_recompute": _itl([g for start, end in fresh_windows for g in log.gaps_ms(start, end)]),
             "stream_errors": log.errors}
 
 
@@ -382,8 +402,11 @@ def run_stall_bench(w: StallWorkload) -> dict:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for r in results:
-        base, load = r["without_load"]["p99_ms"], r["with_load"]["p99_ms"]
-        r["itl_p99_x"] = load / base if base and load is not None else None
+        base = r["without_load"]["p99_ms"]
+        for key, window in (("itl_p99_x", "with_load"), ("device_hit_itl_p99_x", "with_device_hit"),
+                            ("recompute_itl_p99_x", "with_recompute")):
+            p99 = r[window]["p99_ms"]
+            r[key] = p99 / base if base and p99 is not None else None
     return {"workload": asdict(w), "machine": machine(), "load_average": os.getloadavg(), "scenarios": results,
             "next_turn": turns, "targets": {"itl_p99_x": TARGET_ITL_P99_X, "next_turn_x": TARGET_NEXT_TURN_X}}
 

@@ -480,23 +480,28 @@ def bench_stall(
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x:,.0f}"
 
+    def times(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
     rows = []
     for r in f["scenarios"]:
         a, b = r["without_load"], r["with_load"]
         rows.append([r["scenario"], ", ".join(f"{t} {n}" for t, n in r["loaded_by_tier"].items()) or "none",
                      f"{a['gaps']}/{b['gaps']}", *(ms(a[k]) + " / " + ms(b[k]) for k in ("p50_ms", "p99_ms", "max_ms")),
-                     "-" if r["itl_p99_x"] is None else f"{r['itl_p99_x']:.2f}", ms(r["ttft_load_ms"]),
-                     ms(r["ttft_recompute_ms"])])
+                     *(times(r[k]) for k in ("itl_p99_x", "device_hit_itl_p99_x", "recompute_itl_p99_x")),
+                     ms(r["ttft_load_ms"]), ms(r["ttft_device_hit_ms"]), ms(r["ttft_recompute_ms"])])
     print_table(f"running streams' ITL without / with a {w.prompt_tokens:,}-token prompt loading (ms; "
                 f"{w.streams} streams; {w.load_repeats} loads, TTFT median)",
-                ["scenario", "cached by tier", "gaps", "ITL p50", "p99", "max", "p99 x", "TTFT load",
-                 "TTFT recompute"], rows)
+                ["scenario", "cached by tier", "gaps", "ITL p50", "p99", "max", "p99 x", "x hit", "x recompute",
+                 "TTFT load", "TTFT hit", "TTFT recompute"], rows)
     t = f["targets"]
     typer.echo("TTFT each (load / recompute): " + "; ".join(
         f"{r['scenario']} " + ", ".join(f"{a:,.0f}/{b:,.0f}" for a, b in zip(r["ttft_load_all_ms"],
                                                                          r["ttft_recompute_all_ms"]))
         for r in f["scenarios"]))
-    typer.echo(f"window: the load request's TTFT; without: the same length right before it. Targets: ITL p99 <= "
+    typer.echo(f"window: the load request's TTFT; without: the same length right before it; x: the streams' ITL p99 "
+               f"in the window over without; hit: the same prompt sent again, its pages on the device (the long "
+               f"context with nothing to transfer); recompute: a fresh prompt of its length. Targets: ITL p99 <= "
                f"{t['itl_p99_x']:g}x without; slow / stopped Redis: TTFT load <= recompute")
     by_name = {r["scenario"]: r for r in f["scenarios"]}
     if "disk" in by_name:  # its fresh prompts pay no remote tier: recomputing as a daemon without the fleet does
