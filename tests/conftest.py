@@ -140,6 +140,6 @@ def postgres_url(postgres_server: PostgresServer) -> str:
 
 # The real model and the transformers oracle, loaded once per session.
 from model_fixtures import hf_oracle, loaded, make_engine  # noqa: E402,F401
-from daemon_fixtures import daemon  # noqa: E402,F401
+from daemon_fixtures import daemon, lookups_waited  # noqa: E402,F401
 # Real redis-server processes (one server, a Cluster, a Sentinel), started per test module.
 from redis_fixtures import empty_redis, redis_factory, redis_server  # noqa: E402,F401

@@ -50,12 +50,20 @@ class Daemon:
         return self.log.read_text()
 
 
+# Where a request's KV comes from is what the daemon tests check, not how long its lookup of the lower tiers may
+# take: a busy machine answered a lookup later than a tenth of a short prompt's recompute estimate (the default),
+# and the request recomputed. A share the lookups of a loaded machine never reach (tests/test_transfers_engine.py
+# checks the share itself, on a clock it moves).
+LOOKUP_WAIT_SHARE = "1000"
+
+
 def start_daemon(root: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True) -> Daemon:
     root.mkdir(parents=True, exist_ok=True)
     sock, state, log = root / "kvtierd.sock", root / "state", root / "daemon.log"
     cmd = [sys.executable, "-m", "kvtierd.cli.main", "serve", "--socket", str(sock), "--state-dir", str(state), *args]
     # float32 weights: the daemon tests assert exact equality (across restarts, tiers, chunked prefill).
-    full_env = {**os.environ, "KVTIERD_KV_CACHE_BYTES": "256MiB", "KVTIERD_DTYPE": "float32", **(env or {})}
+    full_env = {**os.environ, "KVTIERD_KV_CACHE_BYTES": "256MiB", "KVTIERD_DTYPE": "float32",
+                "KVTIERD_LOOKUP_WAIT_SHARE": LOOKUP_WAIT_SHARE, **(env or {})}
     process = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=full_env)
     daemon = Daemon(process, sock, state, log)
     if wait:
@@ -87,6 +95,14 @@ def daemon():
         d = start_daemon(Path(root))
         yield d
         assert d.stop() == 0, d.log_text()
+
+
+@pytest.fixture(scope="module")
+def lookups_waited():
+    """The daemons a bench starts (they inherit the environment) wait for their lookups as start_daemon's do."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVTIERD_LOOKUP_WAIT_SHARE", LOOKUP_WAIT_SHARE)
+        yield
 
 
 def engine_status(c: httpx.Client) -> dict:

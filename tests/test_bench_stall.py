@@ -18,7 +18,7 @@ def test_unknown_scenarios_are_refused_before_a_daemon_starts():
         run_stall_bench(StallWorkload(scenarios=("disk", "tape")))
 
 
-def test_stall_bench_measures_the_streams_around_each_load_and_the_next_turns():
+def test_stall_bench_measures_the_streams_around_each_load_and_the_next_turns(lookups_waited):
     w = StallWorkload(prompt_tokens=300, streams=2, stream_reply_tokens=16, head_start_s=2.0, kv_cache="64MiB",
                       scenarios=("disk", "remote slow"), turn_tokens=120, turn_later_s=0.5, turn_repeats=1,
                       load_repeats=2)

@@ -20,7 +20,7 @@ TINY = TiersWorkload(restore_tokens=150, restore_repeats=2, recompute_repeats=1,
 
 
 @pytest.fixture(scope="module")
-def figures(loaded, tmp_path_factory) -> TiersFigures:
+def figures(loaded, tmp_path_factory, lookups_waited) -> TiersFigures:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a busy 2-core machine, 2 threads make each small step wait
     try:

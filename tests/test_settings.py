@@ -69,6 +69,7 @@ SAMPLES: dict[str, tuple[tuple[Any, Any], tuple[str, Any], tuple[Any, Any]]] = {
     "flush_on_shutdown": ((False, False), ("yes", True), ("off", False)),
     "warm_sessions": ((0, 0), ("32", 32), (4, 4)),
     "store_defer_ms": ((0, 0), ("500", 500), (10_000, 10_000)),
+    "lookup_wait_share": ((0, 0.0), ("0.5", 0.5), (100, 100.0)),
     "qos_weights": (("high=9,normal=3,low=1", {"high": 9.0, "normal": 3.0, "low": 1.0}),
                     ("low=2,high=4,normal=3", {"high": 4.0, "normal": 3.0, "low": 2.0}),
                     ("HIGH=1,normal=1,low=1", {"high": 1.0, "normal": 1.0, "low": 1.0})),
@@ -233,6 +234,7 @@ BAD_VALUES = [
     ("flush_on_shutdown", "maybe"),
     ("warm_sessions", "-1"),
     ("store_defer_ms", "-1"),
+    ("lookup_wait_share", "-0.1"),
 ]
 
 

@@ -161,7 +161,7 @@ def test_a_load_past_its_deadline_turns_into_a_recompute_with_the_same_output(lo
 
 
 def test_a_lookup_slower_than_its_share_of_the_recompute_estimate_turns_into_a_recompute(loaded, make_engine):
-    """A lookup is waited for a tenth of the estimate of recomputing (LOOKUP_WAIT_SHARE), not the whole of it:
+    """A lookup is waited for a tenth of the estimate of recomputing (`lookup_wait_share`), not the whole of it:
     a tier slow to answer (a Redis with a delay) would be as slow to load."""
     tok = loaded.tokenizer
     engine, prompt = prompt_below_the_device(make_engine, tok)

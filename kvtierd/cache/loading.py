@@ -27,10 +27,13 @@ and computes the rest.
 A load's deadline is the planner's estimate of recomputing what it loads:
 past it the request stops waiting and recomputes what has not arrived (the
 late loads are abandoned; their pages come back when their copy ends). A
-lookup's answer is waited for a tenth of the estimate of recomputing the
-request's pending tokens (`LOOKUP_WAIT_SHARE`), and not at all when the
-lookups that answered lately took longer than that (a slow Redis): the
-request computes at once, and its lookup's answer goes unread. An
+lookup's answer is waited for a share of the estimate of recomputing the
+request's pending tokens (the tiers' `lookup_wait_share`, a tenth by
+default: a tier slow to answer a lookup is as slow to load; waiting the
+whole estimate, a slow Redis added over a second to every new prompt's
+TTFT), and not at all when the lookups that answered lately took longer
+than that (a slow Redis): the request computes at once, and its lookup's
+answer goes unread. An
 invalidation while loading (`epoch` changes) drops what was loaded: it may be
 what was invalidated.
 """
@@ -51,11 +54,6 @@ from kvtierd.tiers.transfer import ChunkLoad
 
 log = logging.getLogger(__name__)
 
-# A request waits for its lookup's answer this share of the planner's estimate of recomputing, at most: a
-# lookup only finds what might be loaded, and a tier slow to answer it (a Redis with a delay) is as slow to load.
-# Past it the request recomputes, having lost at most this share of its TTFT. Waiting the whole estimate, a
-# slow Redis added over a second to every new prompt's TTFT.
-LOOKUP_WAIT_SHARE = 0.1
 # Loads yield to the running requests' steps (tiers/background_work.py) during this share of the time from the
 # request's arrival to its deadline, and go at full speed after it: paced for as long as the deadline allowed, a
 # slow fleet load ran past it and its request recomputed in full chunks (`bench stall`: 0.8 s steps).
@@ -123,7 +121,7 @@ class Loading:
         """Finds what the lower tiers hold past the device pages `block_ids`: the request's early lookup when it
         started from the same page, else a new one, on a lookup worker. An answer already there starts the loads
         at once; otherwise `seq_id` waits under a ticket (holding its device pages) until `ready` finds the
-        answer and starts them. It waits for the answer LOOKUP_WAIT_SHARE of the planner's estimate of computing
+        answer and starts them. It waits for the answer `lookup_wait_share` of the planner's estimate of computing
         its `pending_tokens` (not at all when lookups lately took longer); its loads, the whole estimate (from
         the same start).
         `seq_id in self` after it when it is looking up or loading; the plan of an answer already there."""
@@ -138,14 +136,15 @@ class Loading:
                 if found else NOTHING_BELOW
         recompute_s = self._tiers.planner.recompute_s(pending_tokens)
         typical = self._transfers.lookup_s
-        if recompute_s is not None and typical is not None and typical > LOOKUP_WAIT_SHARE * recompute_s:
+        share = self._tiers.config.lookup_wait_share
+        if recompute_s is not None and typical is not None and typical > share * recompute_s:
             # Lookups lately took longer than it would wait: it recomputes now, its answer unread.
             self._transfers.stats.loads_past_deadline += 1
             return NOTHING_BELOW
         now = self._clock()
         self._pool.touch(block_ids, high)
         self._tickets[seq_id] = LoadTicket(list(block_ids), list(block_hashes), [], NOTHING_BELOW, high,
-                                           None if recompute_s is None else now + LOOKUP_WAIT_SHARE * recompute_s,
+                                           None if recompute_s is None else now + share * recompute_s,
                                            epoch, started=now, lookup=future)
         return NOTHING_BELOW
 

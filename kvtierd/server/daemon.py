@@ -102,7 +102,8 @@ def tier_config(settings: Settings) -> TierConfig | None:
         disk_path = None
     return TierConfig(host_bytes=settings.host_bytes, disk_bytes=settings.disk_bytes, disk_path=disk_path,
                       chunk_pages=settings.chunk_pages, disk_codec=settings.disk_codec,
-                      disk_admission=settings.disk_admission, store_defer_ms=settings.store_defer_ms, remote=remote)
+                      disk_admission=settings.disk_admission, store_defer_ms=settings.store_defer_ms,
+                      lookup_wait_share=settings.lookup_wait_share, remote=remote)
 
 
 def remote_config(settings: Settings) -> RemoteConfig | None:

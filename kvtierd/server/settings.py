@@ -277,6 +277,9 @@ SETTINGS: tuple[Setting, ...] = (
             "disk and remote writes, and a finished session turn's copy out of the device for them, wait while the "
             "engine has steps to run, and start once it has been idle for 100 ms or this many ms after they were "
             "queued (0: never wait)"),
+    Setting("lookup_wait_share", "tiers", "lookup_wait_share", 0.1, float_at_least(0.0),
+            "a new request waits for the lower tiers to say what they hold of its prompt this share of the estimated "
+            "time to recompute it, at most, then recomputes (0: uses only an answer already there)"),
     Setting("remote_url", "remote", "url", None, parse_optional_str,
             "the fleet's shared KV tier: redis://, rediss://, unix://, redis+sentinel://HOST:PORT/SERVICE or "
             "redis+cluster:// (empty: none)"),
@@ -379,6 +382,7 @@ class Settings:
     flush_on_shutdown: bool
     warm_sessions: int
     store_defer_ms: int
+    lookup_wait_share: float
     remote_url: str | None
     remote_fleet: str
     remote_secret_file: str | None

@@ -60,6 +60,9 @@ class TierConfig:
     disk_admission: str = "reused"
     max_pending_disk_bytes: int = 256 << 20  # chunk copies waiting for a writer; past it new ones are dropped
     store_defer_ms: int = 2000  # writes and a turn's copy wait while the engine has steps, this long at most (0: never)
+    # A new request waits for the lower tiers' lookup this share of the estimate of recomputing its prompt, at
+    # most: a tier slow to answer a lookup (a Redis with a delay) is as slow to load. 0: only an answer already in.
+    lookup_wait_share: float = 0.1
     remote: RemoteConfig | None = None  # the fleet's shared tier (None: none)
 
     def __post_init__(self) -> None:
@@ -67,6 +70,8 @@ class TierConfig:
             raise ValueError("host_bytes and disk_bytes must be 0 (off) or positive")
         if self.store_defer_ms < 0:
             raise ValueError(f"store_defer_ms must be 0 (never defer) or positive, got {self.store_defer_ms}")
+        if self.lookup_wait_share < 0:
+            raise ValueError(f"lookup_wait_share must be 0 or positive, got {self.lookup_wait_share}")
         if self.chunk_pages < 1:
             raise ValueError(f"chunk_pages must be at least 1, got {self.chunk_pages}")
         if self.disk_codec not in TIER_CODECS:
