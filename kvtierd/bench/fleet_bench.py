@@ -76,8 +76,13 @@ def redis_on_loopback() -> Iterator[str]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+# The bandwidth rows read every chunk of the fleet in one pipeline (100 MB and more): the default op timeout
+# (500 ms) is sized for one request's chunks, and a busy machine ran past it (every value then reads as a miss).
+OP_TIMEOUT_MS = 60_000
+
+
 def _host(loaded: LoadedModel, url: str, secret: bytes, fleet: str) -> LLMEngine:
-    remote = RemoteConfig(url=url, secret=secret, fleet=fleet)
+    remote = RemoteConfig(url=url, secret=secret, fleet=fleet, op_timeout_ms=OP_TIMEOUT_MS)
     return LLMEngine(loaded, EngineConfig(tiers=TierConfig(host_bytes=0, disk_bytes=0, remote=remote)))
 
 
@@ -149,7 +154,7 @@ def _bandwidth(engine: LLMEngine, url: str, rounds: int = 5) -> dict:
     names = [n for n in raw.scan_iter(match=f"{store.key_prefix}*".encode()) if not n.endswith(b"epoch")]
     keys = [bytes.fromhex(n[len(store.key_prefix):].decode()) for n in names]
     sizes = [raw.strlen(n) for n in names]
-    frames = store.get_many(keys)
+    frames = _all_read(store.get_many(keys))
     identities = [claimed_identity(f, engine.geometry) for f in frames]
     codec = {decode_frame(f, i).codec for f, i in zip(frames, identities)}
     raw_keys = [k + b"/raw" for k in keys]  # the same chunks under keys of their own, stored raw
@@ -174,11 +179,11 @@ def _bandwidth(engine: LLMEngine, url: str, rounds: int = 5) -> dict:
         pipe.execute()
 
     def load(chunk_keys: list[bytes], i: int) -> None:
-        [frame] = store.get_many([chunk_keys[i]])
+        [frame] = _all_read(store.get_many([chunk_keys[i]]))
         np.copyto(outs[i], np.frombuffer(decode_frame(frame, identities[i]).payload, np.uint8))
 
     with ThreadPoolExecutor(TRANSFER_WORKERS) as workers:
-        runs = {"raw_set": raw_set, "raw_get": raw_get, "store_get": lambda: store.get_many(keys),
+        runs = {"raw_set": raw_set, "raw_get": raw_get, "store_get": lambda: _all_read(store.get_many(keys)),
                 "store_load": lambda: list(workers.map(functools.partial(load, keys), range(len(keys)))),
                 "store_load_raw": lambda: list(workers.map(functools.partial(load, raw_keys), range(len(keys))))}
         times: dict[str, list[float]] = {name: [] for name in runs}
@@ -194,6 +199,14 @@ def _bandwidth(engine: LLMEngine, url: str, rounds: int = 5) -> dict:
             "store_load_GB_s": gbs["store_load"], "store_load_raw_codec_GB_s": gbs["store_load_raw"],
             "store_get_GB_s": gbs["store_get"], "raw_get_GB_s": gbs["raw_get"], "raw_set_GB_s": gbs["raw_set"],
             "store_load_share_of_raw_get": gbs["store_load"] / gbs["raw_get"]}
+
+
+def _all_read(frames: list) -> list:
+    """The frames, every one of them read: a miss here is a Redis gone or too slow, not a figure."""
+    if any(f is None for f in frames):
+        raise RuntimeError(f"the remote tier answered {sum(f is None for f in frames)} of {len(frames)} chunks "
+                           "with nothing (see the log: a timeout or a dropped value)")
+    return frames
 
 
 def _timed(fn) -> float:
