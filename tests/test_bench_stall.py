@@ -13,9 +13,11 @@ from kvtierd.bench.stall_bench import StallWorkload, run_stall_bench
 pytestmark = pytest.mark.skipif(shutil.which("redis-server") is None, reason="needs redis-server")
 
 
-def test_unknown_scenarios_are_refused_before_a_daemon_starts():
+def test_unknown_scenarios_and_classes_are_refused_before_a_daemon_starts():
     with pytest.raises(ServeBenchError, match="scenarios must be among"):
         run_stall_bench(StallWorkload(scenarios=("disk", "tape")))
+    with pytest.raises(ServeBenchError, match="priority must be one of high, normal, low"):
+        run_stall_bench(StallWorkload(stream_priority="urgent"))
 
 
 def test_stall_bench_measures_the_streams_around_each_load_and_the_next_turns(lookups_waited):

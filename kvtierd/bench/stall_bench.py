@@ -32,6 +32,11 @@ same long context with nothing to transfer, so what the load window costs the
 streams beyond it is the load's. The recompute's window is what a load that
 falls back to recomputing (a slow or stopped Redis) cannot do better than.
 
+With `stream_priority` high, the streams outrank the long prompts (normal):
+the daemon's step budget (`[qos] step_budget_ms`) then cuts the long
+prompts' work around the streams' steps, which shows what that trade costs
+the long prompts' TTFT.
+
 A gap belongs to the window its second token arrived in. Then, on the writer
 daemon (disk and remote on), the stores: a chat session's next turn sent right
 after a long first turn, while that turn's KV is written below behind it,
@@ -63,6 +68,7 @@ from kvtierd.bench.report import machine
 from kvtierd.bench.reuse_bench import document, follow_up, questions
 from kvtierd.bench.serve_bench import (ServeBenchError, async_client, percentile, sse_chunks, started_daemon,
                                        story_prompts)
+from kvtierd.engine.config import QOS_CLASSES
 from kvtierd.model.bundled import bundled_gguf_path
 from kvtierd.model.tokenizer import ChatTokenizer
 
@@ -85,6 +91,9 @@ class StallWorkload:
     turn_later_s: float = 6.0
     turn_repeats: int = 2
     load_repeats: int = 3  # long prompts stored, each loaded once per scenario (TTFTs: median; gaps: pooled)
+    # The streams' QoS class ("high": the daemon's step budget cuts the long prompts' work, which stay normal,
+    # around the streams' steps); None: the daemon's default class, the long prompts' own.
+    stream_priority: str | None = None
     seed: int = 0
 
 
@@ -225,11 +234,13 @@ async def _completion(client: httpx.AsyncClient, prompt: list[int]) -> tuple[flo
 
 
 async def _chat(client: httpx.AsyncClient, messages: list[dict], max_tokens: int, session_id: str | None = None,
-                arrivals: list[float] | None = None) -> tuple[float, str]:
+                arrivals: list[float] | None = None, priority: str | None = None) -> tuple[float, str]:
     """One streamed chat completion: TTFT (s) and the reply; each text chunk's arrival goes to `arrivals`."""
     body = {"messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True}
     if session_id is not None:
         body["session_id"] = session_id
+    if priority is not None:
+        body["priority"] = priority
     arrivals = [] if arrivals is None else arrivals
     text = []
     t0 = time.perf_counter()
@@ -243,13 +254,15 @@ async def _chat(client: httpx.AsyncClient, messages: list[dict], max_tokens: int
     return arrivals[0] - t0, "".join(text)
 
 
-async def _stream_loop(socket: Path, prompts: list[str], reply_tokens: int, log: Streams) -> None:
+async def _stream_loop(socket: Path, prompts: list[str], reply_tokens: int, priority: str | None,
+                       log: Streams) -> None:
     async with async_client(socket) as client:
         for prompt in prompts:
             times: list[float] = []
             log.arrivals.append(times)
             try:
-                await _chat(client, [{"role": "user", "content": prompt}], reply_tokens, arrivals=times)
+                await _chat(client, [{"role": "user", "content": prompt}], reply_tokens, arrivals=times,
+                            priority=priority)
             except (ServeBenchError, httpx.HTTPError):
                 log.errors += 1
 
@@ -270,7 +283,8 @@ async def _measure(socket: Path, w: StallWorkload, name: str, prompts: list[list
         await _chat(client, [{"role": "user", "content": "Say hello."}], 2)  # warm-up, not measured
         log = Streams()
         stories = story_prompts(64 * w.streams, w.seed)
-        tasks = [asyncio.create_task(_stream_loop(socket, stories[i::w.streams], w.stream_reply_tokens, log))
+        tasks = [asyncio.create_task(_stream_loop(socket, stories[i::w.streams], w.stream_reply_tokens,
+                                                       w.stream_priority, log))
                  for i in range(w.streams)]
         t_start = time.perf_counter()
         await asyncio.sleep(w.head_start_s)
@@ -369,6 +383,8 @@ def run_stall_bench(w: StallWorkload) -> dict:
         raise ServeBenchError("the prompt needs at least 32 tokens and one stream")
     if w.load_repeats < 1:
         raise ServeBenchError("load_repeats must be at least 1")
+    if w.stream_priority not in (None, *QOS_CLASSES):
+        raise ServeBenchError(f"the streams' priority must be one of {', '.join(QOS_CLASSES)}")
     rng = random.Random(w.seed)
     prompts = [_prompt(rng, w.prompt_tokens) for _ in range(w.load_repeats)]
     root = Path(tempfile.mkdtemp(prefix="kvtd-stall-", dir="/tmp"))  # short: socket paths fit sun_path

@@ -456,6 +456,9 @@ def bench_stall(
     turn_repeats: Annotated[int, typer.Option(help="Stores: next turns of each kind (median; 0: skip).")] = 2,
     load_repeats: Annotated[int, typer.Option(help="Long prompts loaded per scenario (TTFT: median; ITL gaps: "
                                               "pooled).")] = 3,
+    stream_priority: Annotated[Optional[str], typer.Option(
+        help="The streams' QoS class (high: the step budget guards them from the long prompts, which stay "
+             "normal); default: the long prompts' own.")] = None,
     json_path: JsonOpt = None,
 ) -> None:
     """Running streams' ITL while another request's long prompt loads from disk or Redis (normal, slow, stopped),
@@ -466,7 +469,8 @@ def bench_stall(
     w = StallWorkload(prompt_tokens=prompt_tokens, streams=streams, stream_reply_tokens=stream_reply,
                       head_start_s=head_start, redis_delay_ms=redis_delay_ms, kv_cache=kv_cache,
                       scenarios=tuple(x.strip() for x in scenarios.split(",") if x.strip()),
-                      turn_tokens=turn_tokens, turn_repeats=turn_repeats, load_repeats=load_repeats)
+                      turn_tokens=turn_tokens, turn_repeats=turn_repeats, load_repeats=load_repeats,
+                      stream_priority=stream_priority)
     try:
         f = run_stall_bench(w)
     except ServeBenchError as e:
@@ -491,7 +495,8 @@ def bench_stall(
                      *(times(r[k]) for k in ("itl_p99_x", "device_hit_itl_p99_x", "recompute_itl_p99_x")),
                      ms(r["ttft_load_ms"]), ms(r["ttft_device_hit_ms"]), ms(r["ttft_recompute_ms"])])
     print_table(f"running streams' ITL without / with a {w.prompt_tokens:,}-token prompt loading (ms; "
-                f"{w.streams} streams; {w.load_repeats} loads, TTFT median)",
+                f"{w.streams} streams{f' of priority {w.stream_priority}' if w.stream_priority else ''}; "
+                f"{w.load_repeats} loads, TTFT median)",
                 ["scenario", "cached by tier", "gaps", "ITL p50", "p99", "max", "p99 x", "x hit", "x recompute",
                  "TTFT load", "TTFT hit", "TTFT recompute"], rows)
     t = f["targets"]
