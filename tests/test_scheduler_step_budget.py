@@ -26,9 +26,10 @@ OFF = {"high": 0.0, "normal": 0.0, "low": 0.0}
 
 
 class Sim:
-    def __init__(self, step_budget_ms: dict, hold_s: float = 2.0, num_blocks: int = 1024) -> None:
+    def __init__(self, step_budget_ms: dict, hold_s: float = 2.0, num_blocks: int = 1024,
+                 cost: StepCost = COST) -> None:
         self.clock = FakeClock(100.0)
-        self.cost = StepCostModel(prior=COST)  # nothing observed: its costs are the prior's
+        self.cost = StepCostModel(prior=cost)  # nothing observed: its costs are the prior's
         self.scheduler = Scheduler(KVCacheManager(num_blocks, BLOCK, public_root=ROOT), TOKENS_PER_STEP, 64,
                                    qos=QosConfig(step_budget_ms=step_budget_ms, step_budget_hold_s=hold_s),
                                    step_cost=self.cost, clock=self.clock)
@@ -262,6 +263,22 @@ def test_a_budget_below_the_step_overhead_still_moves_the_lower_classes():
     sim.add("low", "low", prompt_len=100, max_tokens=1)
     plans = [sim.step() for _ in range(3)]
     assert [p.num_tokens for p in plans] == [BLOCK] * 3
+
+
+def test_a_lower_long_prompt_moves_while_the_top_class_decodes_on():
+    """Each chunk of a long prompt attends over the prompt so far: past ~100 tokens here that alone costs more
+    than the auto budget adds to the high request's step (one decode), and nothing of it would ever fit while
+    the high request decodes. One step in LOWER_JOIN_EVERY moves it by a page anyway, so it finishes."""
+    sim = Sim({"high": None, "normal": None, "low": None},
+              cost=StepCost(overhead_s=0.010, prefill_token_s=0.001, decode_token_s=0.0005, context_token_s=0.0001))
+    sim.add("high", "high", prompt_len=20, max_tokens=100_000)
+    sim.add("doc", "normal", prompt_len=640, max_tokens=1)
+    plans = []
+    while "doc" in sim.requests:
+        plans.append(sim.step())
+        assert len(plans) <= 2 * LOWER_JOIN_EVERY * 640 // BLOCK, "the normal prompt stopped moving"
+    assert all(tokens_of(p, "high") >= 1 for p in plans)  # the high request ran every step
+    assert all(tokens_of(p, "doc") <= BLOCK for p in plans[LOWER_JOIN_EVERY * 8 :])  # in pages, past its start
 
 
 # --- the cost model -------------------------------------------------------------------------------------------

@@ -48,9 +48,13 @@ decodes while the top class is present by its hold only; `engine/step_cost.py`
 predicts a step's seconds from its prefill tokens, decodes and the context
 they attend over, as measured, per regime in a quantized mode):
 their prefill is chunked finer, and their decodes skip a step when even one
-does not fit. When nothing of a lower class is present, nothing is cut: with
-one class only, steps are as large as the token budget makes them (but for a
-restored prompt's rest, above).
+does not fit. In one of LOWER_JOIN_EVERY steps the first lower request gets
+a page of its prompt (or its decode) even if nothing of it fits: a long
+prompt's chunk attends over its own growing context and came to cost more
+than the limit however small, and while the top class stayed present it
+never moved again. When nothing of a lower class is present, nothing is
+cut: with one class only, steps are as large as the token budget makes them
+(but for a restored prompt's rest, above).
 """
 
 from __future__ import annotations
@@ -135,6 +139,7 @@ class _StepRoom:
     tokens: int
     top: str  # the highest class present: its work is never cut
     limit_s: float | None = None  # the planned cost lower classes' work must keep within; None: no limit
+    lower_floor: bool = False  # the first lower request still moves by a page if nothing of it fits the limit
     admitting: bool = True  # False once memory ran short (or high found no room): nobody more is admitted
     planned: set[str] = field(default_factory=set)  # request ids in the plan
 
@@ -189,7 +194,7 @@ class Scheduler:
         # The top class's work first, under the token budget only; then the lower classes', within the time limit.
         for lower in (False, True):
             if lower:
-                room.limit_s = self._limit_s(room.top, plan.shape)
+                room.limit_s, room.lower_floor = self._limit_s(room.top, plan.shape)
             self._serve_running(plan, room, lower)
             self._admit_waiting(plan, room, lower, inflight, no_room, deferred)
         return plan
@@ -275,8 +280,11 @@ class Scheduler:
             fits = 1 if cost.seconds(shape) <= room.limit_s else 0
         else:
             fits = min(n, cost.prefill_tokens_within(plan.shape, room.limit_s, req.num_computed_tokens))
-        # A step that would carry nothing still moves: a limit below the fixed overhead cannot stall the engine.
-        return fits or (min(n, self.kv.block_size) if plan.empty else 0)
+        # A step that would carry nothing still moves: a limit below the fixed overhead cannot stall the engine;
+        # nor can it starve the lower classes: a step of theirs (one of LOWER_JOIN_EVERY) moves them a page at least.
+        floor = plan.empty or room.lower_floor
+        room.lower_floor = False
+        return fits or (min(n, self.kv.block_size) if floor else 0)
 
     def _restored_piece(self, req: Request, others: StepShape, n: int) -> int:
         """How many of the `n` pending prompt tokens of `req` (its prefix loaded from below) go beside the others'
@@ -307,8 +315,10 @@ class Scheduler:
         present = [c for c, t in self._last_present.items() if now - t <= self.step_budget_hold_s]
         return min(present, key=RANK.__getitem__, default=QOS_CLASSES[-1])
 
-    def _limit_s(self, top: str, own: StepShape) -> float | None:
-        """The step's limit for lower classes' work, the top class's being planned (`own`); None when off.
+    def _limit_s(self, top: str, own: StepShape) -> tuple[float | None, bool]:
+        """The step's limit for lower classes' work, the top class's being planned (`own`) (None when off), and
+        whether the first lower request moves by a page even if nothing of it fits: in one of LOWER_JOIN_EVERY
+        steps, and in every step while the top class is present by its hold only.
 
         Auto: in one of LOWER_JOIN_EVERY steps, lower classes add at most what a step of one decode costs (a
         lone request's inter-token latency) to the top class's own work, or to one such step when it has none;
@@ -316,16 +326,17 @@ class Scheduler:
         hand the others more (its latency would feed on itself), nor starve them. While the top class is
         present by its hold only, a step may cost HELD_STEP_DECODES lone decodes."""
         budget_ms = self.step_budget_ms[top]
-        if budget_ms is not None:
-            return budget_ms / 1e3 or None
         one_decode = self.step_cost.one_decode_s
-        if not any(r.qos_class == top for r in (*self.running, *self.waiting, *self.loading)):
-            return HELD_STEP_DECODES * one_decode
+        if budget_ms is None and not any(r.qos_class == top for r in (*self.running, *self.waiting, *self.loading)):
+            return HELD_STEP_DECODES * one_decode, True
         own_s = self.step_cost.current.seconds(own) if own.num_tokens > 1 else one_decode
         self._own_steps += 1
-        if self._own_steps % LOWER_JOIN_EVERY:
-            return own_s
-        return max(own_s, one_decode) + one_decode
+        join = self._own_steps % LOWER_JOIN_EVERY == 0
+        if budget_ms is not None:
+            return budget_ms / 1e3 or None, join
+        if not join:
+            return own_s, False
+        return max(own_s, one_decode) + one_decode, True
 
     def _pop_victim(self, planned: set[str]) -> Request:
         """The last running request not in the plan yet."""
