@@ -33,9 +33,8 @@ default: a tier slow to answer a lookup is as slow to load; waiting the
 whole estimate, a slow Redis added over a second to every new prompt's
 TTFT), and not at all when the lookups that answered lately took longer
 than that (a slow Redis): the request computes at once, and its lookup's
-answer goes unread. An
-invalidation while loading (`epoch` changes) drops what was loaded: it may be
-what was invalidated.
+answer goes unread. An invalidation while loading (`epoch` changes) drops
+what was loaded: it may be what was invalidated.
 """
 
 from __future__ import annotations

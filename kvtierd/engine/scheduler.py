@@ -329,11 +329,11 @@ class Scheduler:
         one_decode = self.step_cost.one_decode_s
         if budget_ms is None and not any(r.qos_class == top for r in (*self.running, *self.waiting, *self.loading)):
             return HELD_STEP_DECODES * one_decode, True
-        own_s = self.step_cost.current.seconds(own) if own.num_tokens > 1 else one_decode
         self._own_steps += 1
         join = self._own_steps % LOWER_JOIN_EVERY == 0
         if budget_ms is not None:
             return budget_ms / 1e3 or None, join
+        own_s = self.step_cost.current.seconds(own) if own.num_tokens > 1 else one_decode
         if not join:
             return own_s, False
         return max(own_s, one_decode) + one_decode, True
