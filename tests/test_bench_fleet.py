@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from daemon_fixtures import LOOKUP_WAIT_SHARE
 from kvtierd.bench.fleet_bench import run_fleet_bench
 
 
 def test_a_short_fleet_bench_reuses_across_hosts(loaded, redis_server):
-    f = run_fleet_bench(loaded, redis_server.url, doc_tokens=300, repeats=1, turns=1)
+    f = run_fleet_bench(loaded, redis_server.url, doc_tokens=300, repeats=1, turns=1,
+                        lookup_wait_share=float(LOOKUP_WAIT_SHARE))
     [shared] = f["shared_document"]
     assert shared["remote_tokens"] == shared["cached_tokens"] >= 256  # the whole chunk of the document
     assert f["session"]["remote_tokens"] > 0

@@ -23,7 +23,7 @@ from kvtierd.server.paths import default_socket_path, default_state_dir
 from kvtierd.server.placement import parse_placement, parse_tenant_list
 from kvtierd.server.tenant_limits import TenantLimits, parse_tenant_limits
 from kvtierd.server.truncation import TRUNCATION_POLICIES
-from kvtierd.tiers.config import DISK_ADMISSIONS, REMOTE_ADMISSIONS, TIER_CODECS
+from kvtierd.tiers.config import DISK_ADMISSIONS, LOOKUP_WAIT_SHARE, REMOTE_ADMISSIONS, TIER_CODECS
 
 
 class SettingsError(ValueError):
@@ -277,7 +277,7 @@ SETTINGS: tuple[Setting, ...] = (
             "disk and remote writes, and a finished session turn's copy out of the device for them, wait while the "
             "engine has steps to run, and start once it has been idle for 100 ms or this many ms after they were "
             "queued (0: never wait)"),
-    Setting("lookup_wait_share", "tiers", "lookup_wait_share", 0.1, float_at_least(0.0),
+    Setting("lookup_wait_share", "tiers", "lookup_wait_share", LOOKUP_WAIT_SHARE, float_at_least(0.0),
             "a new request waits for the lower tiers to say what they hold of its prompt this share of the estimated "
             "time to recompute it, at most, then recomputes (0: uses only an answer already there)"),
     Setting("remote_url", "remote", "url", None, parse_optional_str,

@@ -15,6 +15,9 @@ DISK_ADMISSIONS = ("reused", "all")
 #   all       the full chunks of every finished request: a document computed on one host serves all
 #   sessions  session turns only
 REMOTE_ADMISSIONS = ("all", "sessions")
+# A new request waits for the lower tiers' lookup this share of the estimate of recomputing its prompt, at most:
+# a tier slow to answer a lookup (a Redis with a delay) is as slow to load. 0: only an answer already in.
+LOOKUP_WAIT_SHARE = 0.1
 # A tier's codec: one of CODEC_NAMES, or "auto" (`resolve_codec`).
 TIER_CODECS = ("auto", *CODEC_NAMES)
 
@@ -60,9 +63,7 @@ class TierConfig:
     disk_admission: str = "reused"
     max_pending_disk_bytes: int = 256 << 20  # chunk copies waiting for a writer; past it new ones are dropped
     store_defer_ms: int = 2000  # writes and a turn's copy wait while the engine has steps, this long at most (0: never)
-    # A new request waits for the lower tiers' lookup this share of the estimate of recomputing its prompt, at
-    # most: a tier slow to answer a lookup (a Redis with a delay) is as slow to load. 0: only an answer already in.
-    lookup_wait_share: float = 0.1
+    lookup_wait_share: float = LOOKUP_WAIT_SHARE
     remote: RemoteConfig | None = None  # the fleet's shared tier (None: none)
 
     def __post_init__(self) -> None:
