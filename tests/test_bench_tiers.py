@@ -8,9 +8,10 @@ import shutil
 
 import pytest
 import torch
+from daemon_fixtures import LOOKUP_WAIT_SHARE
+from kvtierd.storage.codecs import CODEC_NAMES
 
 from kvtierd.bench.tiers_bench import TiersFigures, TiersWorkload, run_tiers_bench
-from kvtierd.storage.codecs import CODEC_NAMES
 
 # Chunks of 4 pages: a 150-token prompt is 9 restorable pages, two whole chunks and a partial one.
 # Two sessions of about 100 tokens on a device for one turn (the least it gets): each evicts the other's KV.
@@ -24,7 +25,7 @@ def figures(loaded, tmp_path_factory, lookups_waited) -> TiersFigures:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # on a busy 2-core machine, 2 threads make each small step wait
     try:
-        return run_tiers_bench(loaded, TINY, tmp_path_factory.mktemp("bench-tiers"))
+        return run_tiers_bench(loaded, TINY, tmp_path_factory.mktemp("bench-tiers"), float(LOOKUP_WAIT_SHARE))
     finally:
         torch.set_num_threads(threads)
 
