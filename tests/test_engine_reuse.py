@@ -53,6 +53,19 @@ def test_an_edited_history_reuses_up_to_the_first_differing_token(loaded, make_e
     assert tokens(first)  # the original turn ran
 
 
+def test_a_prompt_cached_to_its_last_token_computes_that_token_alone_and_changes_nothing(loaded, make_engine, cold):
+    tok = loaded.tokenizer
+    engine = make_engine()
+    bs = engine.config.block_size
+    ids = tok.encode_chat([SYSTEM, {"role": "user", "content": "Why page the KV cache?"}])
+    prompt = ids[: len(ids) // bs * bs]  # whole pages: each is indexed once computed
+    first = run_one(engine, prompt)
+    again = run_one(engine, prompt)
+    assert first[0].num_cached_tokens == 0
+    assert again[0].num_cached_tokens == len(prompt) - 1 and again[0].cache_source == "prefix"
+    assert_same_output(again, cold(prompt))
+
+
 def test_a_public_prefix_is_hit_by_every_tenant_and_changes_nothing(loaded, make_engine, cold):
     tok = loaded.tokenizer
     engine = make_engine()

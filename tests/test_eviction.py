@@ -369,10 +369,11 @@ class EvictionMachine(RuleBasedStateMachine):
     def invalidate_prefix(self, data):
         seq = data.draw(st.sampled_from(sorted(self.history)))
         root, tokens = self.roots[seq], self.history[seq] + [0]
-        before = self.kv.find_prefix(root, tokens).num_tokens
+        before = len(self.kv.find_prefix(root, tokens).block_hashes)  # the history's full pages it hits
         self.kv.invalidate_prefix(root, self.history[seq])
         after = self.kv.find_prefix(root, tokens)
-        assert after.source != "prefix" or after.num_tokens < before  # its last page went (shared ones may stay)
+        # its last full page went (shared ones may stay); a page of other tokens holding it all may be hit
+        assert after.source != "prefix" or len(after.block_hashes) < before or before == 0
 
     @rule()
     def invalidate_tag(self):

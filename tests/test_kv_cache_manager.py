@@ -76,8 +76,24 @@ def test_full_pages_are_found_again_by_prefix_and_shared():
 def test_a_hit_always_leaves_one_token_to_compute():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     computed(kv, "a", list(range(8)))
-    assert kv.find_prefix(ROOT_A, list(range(8))).num_tokens == 4  # not 8: the last page is recomputed
     assert kv.find_prefix(ROOT_A, list(range(9))).num_tokens == 8
+    assert kv.find_prefix(ROOT_A, list(range(7))).num_tokens == 4  # a page holding tokens past the prompt: no
+
+
+def test_a_prompt_cached_to_its_last_token_computes_that_token_alone_in_a_copy_of_its_last_page():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    computed(kv, "a", list(range(8)))
+    kv.free("a")
+    hit = kv.find_prefix(ROOT_A, list(range(8)))
+    assert hit.block_ids == [0, 1] and hit.num_tokens == 7  # not 4: its last page is not recomputed whole
+    assert len(hit.block_hashes) == 1  # page 1 counts as the request's own once its last token is written
+    kv.adopt_prefix("b", hit)
+    write = kv.allocate_slots("b", 1)
+    assert write.copies == [(1, 2)] and write.slots == [2 * 4 + 3]  # the indexed page stays as it was
+    kv.commit("b", ROOT_A, list(range(8)), 8)
+    assert kv.find_prefix(ROOT_A, list(range(9))).block_ids == [0, 1]  # the first page with the hash keeps it
+    kv.free("b")
+    assert kv.num_free_blocks == 8 and kv.pool.num_cached_blocks == 2
 
 
 def test_released_pages_stay_cached_until_evicted_tail_first():

@@ -65,6 +65,19 @@ def test_pages_evicted_to_the_host_tier_come_back_and_change_nothing(loaded, mak
     assert host.hits >= 2 and host.hit_tokens == by_tier["host"]
 
 
+def test_a_prompt_of_whole_pages_comes_back_from_the_host_tier_to_its_last_token(loaded, make_engine, cold):
+    tok = loaded.tokenizer
+    engine = tiered(make_engine)
+    prompt = ask(tok, TOPICS[0])
+    prompt = prompt[: len(prompt) // 16 * 16]  # its last page full: stored below with the others
+    push_out(engine, tok, prompt)
+    warm = run_one(engine, prompt)
+    by_tier = warm[0].cached_tokens_by_tier
+    assert by_tier["host"] >= 64
+    assert warm[0].num_cached_tokens == sum(by_tier.values()) == len(prompt) - 1  # one token computed
+    assert_same_output(warm, cold(prompt))
+
+
 def test_pages_evicted_to_the_disk_tier_come_back_and_change_nothing(loaded, make_engine, cold, tmp_path):
     tok = loaded.tokenizer
     engine = tiered(make_engine, host=False, disk=tmp_path, disk_admission="all")

@@ -304,9 +304,10 @@ def compute_prompt(loaded: LoadedModel, num_tokens: int, repeats: int) -> Comput
     recompute = [run_request(engine, next_turn, 1, tenant=t) for t in tenants]
     root = namespace_root(loaded.fingerprint, tenants[-1], engine.config.hash_algorithm)
     hit = engine.kv.find_prefix(root, prompt)  # the last repetition's pages, still cached
-    assert hit.num_tokens == (len(prompt) - 1) // BLOCK_SIZE * BLOCK_SIZE, "the prefilled prompt's pages are gone"
+    pages = (len(prompt) - 1) // BLOCK_SIZE  # its full pages but the one holding its last token
+    assert len(hit.block_hashes) == pages, "the prefilled prompt's pages are gone"
     return ComputedPrompt(tenants[-1], root, prompt, next_turn, list(hit.block_hashes),
-                          _gather(engine.pool, hit.block_ids), engine.geometry, recompute)
+                          _gather(engine.pool, hit.block_ids[:pages]), engine.geometry, recompute)
 
 
 # -- the next turn, restored from each tier ------------------------------------------------------

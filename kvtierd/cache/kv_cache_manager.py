@@ -186,7 +186,8 @@ class KVCacheManager:
             self.loading.wait(LOAD_POLL_S)
         ticket = self.finish_load(seq_id)
         # Loaded pages count as this sequence's own: a session that brought them back may drop them.
-        return PrefixHit(ticket.chain_blocks, ticket.chain_hashes, len(ticket.chain_blocks) * self.block_size,
+        n = min(len(ticket.chain_blocks) * self.block_size, hit.num_tokens)  # its last token stays to compute
+        return PrefixHit(ticket.chain_blocks, ticket.chain_hashes[: n // self.block_size], n,
                          "prefix" if ticket.chain_blocks else "none", own_from=len(hit.block_ids),
                          tokens_by_tier=ticket.tokens_by_tier, restore=ticket.plan)
 
@@ -206,7 +207,7 @@ class KVCacheManager:
             return NOTHING_BELOW
         tiers, start = self.tiers, len(hit.block_ids)
         return self.loading.look_up(seq_id, hit.block_ids, hit.hashes[:start],
-                                    lambda: tiers.lookup(root, hit.hashes, hit.usable, start),
+                                    lambda: tiers.lookup(root, hit.hashes, hit.token_ids, start),
                                     (len(hit.hashes) - start) * self.block_size, high, self.invalidation.count)
 
     def load_ready(self, seq_id: str) -> bool:
@@ -240,9 +241,9 @@ class KVCacheManager:
         hit = self.device_hit(root, token_ids, hashes)
         if not hit.complete:
             tiers, start = self.tiers, len(hit.block_ids)
-            tiers.prefetch(root, hit.hashes, hit.usable, start)
+            tiers.prefetch(root, hit.hashes, hit.token_ids, start)
             if seq_id is not None:
-                self.loading.look_ahead(seq_id, start, lambda: tiers.lookup(root, hit.hashes, hit.usable, start))
+                self.loading.look_ahead(seq_id, start, lambda: tiers.lookup(root, hit.hashes, hit.token_ids, start))
 
     # -- saving below the device (cache/stores_below.py) ------------------------------------------
 

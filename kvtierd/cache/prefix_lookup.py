@@ -1,7 +1,12 @@
 """Finding a prompt's cached start: its session's pool, the tenant's prefix index, or the public one.
 
 The longest wins, leaving at least one token to compute (its logits give the
-next token): the session's pool to the token, the indexes by whole pages.
+next token): the session's pool to the token, the indexes by whole pages. A
+prompt whose every page is indexed (its length a whole number of pages) hits
+all but its last token: its last page is adopted partly used and copied before
+that token is written (`KVCacheManager.allocate_slots`), so the step it joins
+computes one token, not a page (16 queries over a long context cost a
+decoding batch's step several times over).
 The tenant's index hit may go on with the chunks the lower tiers hold past
 it (`below`). A tenant's pages after a public prefix chain from the public
 page's hash rebased onto the tenant's root (`block_hash.rebase`), so only the
@@ -45,16 +50,17 @@ def on_device(hit: PrefixHit, block_size: int) -> PrefixHit:
     if not hit.below:
         return hit
     n = len(hit.block_ids)
-    return replace(hit, num_tokens=n * block_size, source=hit.source if n else "none", below=[])
+    return replace(hit, num_tokens=min(n * block_size, hit.num_tokens), source=hit.source if n else "none",
+                   below=[])
 
 
 @dataclass(frozen=True, slots=True)
 class DeviceHit:
-    """A prompt's pages in its tenant's index, and the hashes of every full page that may be reused."""
+    """A prompt's pages in its tenant's index, and the hashes of every full page of it."""
 
     block_ids: list[int]
-    hashes: list[BlockHash]  # of the full pages of the prompt less its last token
-    usable: Sequence[int]  # the prompt less its last token
+    hashes: list[BlockHash]  # of the prompt's full pages
+    token_ids: Sequence[int]  # the prompt
 
     @property
     def complete(self) -> bool:
@@ -81,10 +87,9 @@ class PrefixLookup:
         return self.pool.lookup(hashes, [token_ids[i * bs : (i + 1) * bs] for i in range(len(hashes))])
 
     def device_hit(self, hashes: BlockHashes, token_ids: Sequence[int]) -> DeviceHit:
-        """`token_ids`' pages in its tenant's index, leaving its last token to compute."""
-        usable = token_ids[: len(token_ids) - 1]
-        full = hashes.of_full_pages(usable)
-        return DeviceHit(self.pages(full, usable), full, usable)
+        """`token_ids`' pages in its tenant's index."""
+        full = hashes.of_full_pages(token_ids)
+        return DeviceHit(self.pages(full, token_ids), full, token_ids)
 
     def find(self, hashes: BlockHashes, token_ids: Sequence[int], session_id: str | None = None,
              below: bool = True, device: DeviceHit | None = None) -> PrefixHit:
@@ -105,10 +110,11 @@ class PrefixLookup:
 
     def _index_hit(self, hashes: BlockHashes, hit: DeviceHit, below: bool) -> PrefixHit:
         blocks = hit.block_ids
-        found = self.tiers.lookup(hashes.root, hit.hashes, hit.usable, len(blocks)) \
+        found = self.tiers.lookup(hashes.root, hit.hashes, hit.token_ids, len(blocks)) \
             if self.tiers is not None and below else []
         end = found[-1].span.first_page + found[-1].span.num_pages if found else len(blocks)
-        return PrefixHit(blocks, hit.hashes[: len(blocks)], end * self.block_size, "prefix" if end else "none",
+        n = min(end * self.block_size, len(hit.token_ids) - 1)  # its last token stays to compute
+        return PrefixHit(blocks, hit.hashes[: min(len(blocks), n // self.block_size)], n, "prefix" if n else "none",
                          own_from=len(blocks), below=found)
 
     def _public_hit(self, root: BlockHash, token_ids: Sequence[int]) -> PrefixHit:
