@@ -1,4 +1,4 @@
-"""The device tier's bytes: per-layer K and V pools of fixed-size pages.
+"""The device tier's bytes: per-layer K and V pools of fixed-size pages, in one tensor.
 
 The pool only holds memory; which page belongs to whom is the block pool's
 business (`kvtierd.cache`).
@@ -18,11 +18,10 @@ class DeviceKVPool:
         self.geometry = geometry
         self.num_blocks = num_blocks
         self.device = device
-        # Zero-filled so a page never exposes an earlier tenant's bytes.
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
-            (torch.zeros(shape, dtype=g.dtype, device=device), torch.zeros(shape, dtype=g.dtype, device=device))
-            for _ in range(g.num_layers)
-        ]
+        # Zero-filled so a page never exposes an earlier tenant's bytes. One tensor [layers, 2 (K, V), *shape],
+        # seen per layer: a load writes a run of pages in every layer with one copy (`tiers/page_copy.py`).
+        self.kv = torch.zeros((g.num_layers, 2, *shape), dtype=g.dtype, device=device)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [(layer[0], layer[1]) for layer in self.kv]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         """Copies whole pages `src -> dst` in every layer (copy-on-write, compaction).

@@ -141,6 +141,28 @@ def test_a_paced_task_stops_yielding_at_its_bound(monkeypatch):
         pool.shutdown(wait=True)
 
 
+def test_a_paced_task_works_in_slices_only_while_it_would_yield():
+    """`pacing` tells a load to copy layer by layer (pacing between) or in one piece: only a paced task, while an
+    engine computes and before its bound, goes in slices."""
+    work = BackgroundWork()
+    pool = work.pool(1, "test-paced", paced=True)
+
+    def seen(until: float | None) -> bool:
+        work.pace_until(until)
+        return work.pacing()
+
+    try:
+        assert not pool.submit(seen, None).result(timeout=60)  # no engine computes: in one piece
+        work.engine_computes(True)
+        assert pool.submit(seen, None).result(timeout=60)
+        assert pool.submit(seen, time.monotonic() + 3600).result(timeout=60)
+        assert not pool.submit(seen, time.monotonic() - 1.0).result(timeout=60)  # past its bound
+        assert not work.pacing()  # not a paced task's thread
+    finally:
+        work.engine_computes(False)
+        pool.shutdown(wait=True)
+
+
 def test_a_load_whose_tier_cannot_yield_counts_and_does_not_pace(monkeypatch):
     """A fleet value's load (its GET, HMAC and decode in one piece) takes the core the steps leave to counted
     work, instead of sleeping after it: through the transfer queue, as the tier manager submits it."""

@@ -51,7 +51,9 @@ import torch
 IDLE_SPELL_S = 0.1
 # The share of one core paced loads take together while an engine computes for running requests. Measured with
 # `bench stall` (Zen 5, 2 cores; the streams' ITL p99 during a disk load over without it): 0.35 gave 1.46x at a
-# TTFT of 648 ms, 0.5 gave 2.43x (667 ms); counted loads, 3.39x (548 ms).
+# TTFT of 648 ms, 0.5 gave 2.43x (667 ms); counted loads, 3.39x (548 ms). Once a whole-page prompt's hit computed
+# its last token alone, 0.35 and 0.2 alternated three times each: 1.31-1.63x (TTFT 244-288 ms) and 1.16-2.37x
+# (302-439 ms): no better for the streams, slower for the load.
 PACED_SHARE = 0.35
 
 
@@ -125,6 +127,14 @@ class BackgroundWork:
                 while self._engines_computing and (now := time.monotonic()) < wake:
                     self._gate.wait(wake - now)
         self._paced.cpu_mark = time.thread_time()
+
+    def pacing(self) -> bool:
+        """Whether the paced task on this thread yields now (`pace` would sleep): its work goes in slices then,
+        and in one piece otherwise."""
+        if getattr(self._paced, "cpu_mark", None) is None:
+            return False
+        until = self._paced.until
+        return bool(self._engines_computing) and (until is None or time.monotonic() < until)
 
     def hurry(self) -> None:
         """Lets every deferred task submitted so far start now: for a caller about to wait for one between
