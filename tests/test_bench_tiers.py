@@ -9,9 +9,9 @@ import shutil
 import pytest
 import torch
 from daemon_fixtures import LOOKUP_WAIT_SHARE
-from kvtierd.storage.codecs import CODEC_NAMES
 
 from kvtierd.bench.tiers_bench import TiersFigures, TiersWorkload, run_tiers_bench
+from kvtierd.storage.codecs import CODEC_NAMES
 
 # Chunks of 4 pages: a 150-token prompt is 9 restorable pages, two whole chunks and a partial one.
 # Two sessions of about 100 tokens on a device for one turn (the least it gets): each evicts the other's KV.

@@ -58,14 +58,7 @@ import torch
 
 from kvtierd.bench.fleet_bench import REDIS_SERVER, redis_on_loopback
 from kvtierd.bench.report import median_time
-from kvtierd.bench.reuse_bench import (
-    FirstToken,
-    document,
-    follow_up,
-    questions,
-    run_request,
-    warm_up,
-)
+from kvtierd.bench.reuse_bench import FirstToken, document, follow_up, questions, run_request, warm_up
 from kvtierd.cache.block_hash import namespace_root
 from kvtierd.engine.config import EngineConfig
 from kvtierd.engine.llm_engine import LLMEngine
@@ -77,12 +70,7 @@ from kvtierd.storage.geometry import KVGeometry
 from kvtierd.storage.kv_frame import ChunkIdentity, decode_frame
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, spans_of
 from kvtierd.tiers.chunk_writer import ChunkWriter
-from kvtierd.tiers.config import (
-    LOOKUP_WAIT_SHARE,
-    RemoteConfig,
-    TierConfig,
-    resolve_codec,
-)
+from kvtierd.tiers.config import LOOKUP_WAIT_SHARE, RemoteConfig, TierConfig, resolve_codec
 from kvtierd.tiers.tier_manager import TierManager
 
 RESTORE_SOURCES = ("device", "host", "disk warm", "disk cold", "remote")
