@@ -121,7 +121,7 @@ class BackgroundWork:
         until = self._paced.until
         with self._lock:
             now = time.monotonic()
-            if self._engines_computing and (until is None or now < until):
+            if self._yields(until, now):
                 self._paced_until = max(self._paced_until, now) + used * (1 / PACED_SHARE - 1)
                 wake = self._paced_until if until is None else min(self._paced_until, until)
                 while self._engines_computing and (now := time.monotonic()) < wake:
@@ -133,8 +133,11 @@ class BackgroundWork:
         and in one piece otherwise."""
         if getattr(self._paced, "cpu_mark", None) is None:
             return False
-        until = self._paced.until
-        return bool(self._engines_computing) and (until is None or time.monotonic() < until)
+        return self._yields(self._paced.until, time.monotonic())
+
+    def _yields(self, until: float | None, now: float) -> bool:
+        """A paced task bound by `until` yields at monotonic `now`: an engine computes, and its bound is ahead."""
+        return bool(self._engines_computing) and (until is None or now < until)
 
     def hurry(self) -> None:
         """Lets every deferred task submitted so far start now: for a caller about to wait for one between
