@@ -111,3 +111,32 @@ def test_greedy_chat_output_equals_transformers(loaded, hf_oracle, make_engine):
                 max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=eos,
             )
         assert mine == g[0, len(p):].tolist()
+
+
+def test_a_prompt_cut_into_pieces_beside_a_decode_by_the_prefill_share(loaded, hf_oracle, make_engine):
+    """With prefill_share set, a long prompt sent while another request decodes goes in pieces of a few tokens
+    (each step's cost as the engine measured it), and both requests' logits still equal transformers'."""
+    engine = make_engine(block_size=16, kv_tokens=4096, prefill_share=0.25)
+    seen = record_logits(engine)
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    short, long = prompt(loaded, 5, seed=31), prompt(loaded, 200, seed=32)
+    first = engine.add_request(short, params)
+    outs: dict[str, list[int]] = {first: []}
+    for o in engine.step():
+        outs[o.request_id].extend(o.token_ids)
+    second = engine.add_request(long, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    outs[second] = []
+    pieces = []  # the long prompt's tokens in each step it shared with the decode
+    while engine.has_unfinished():
+        req = engine.requests.get(second)
+        before = req.num_computed_tokens if req is not None else None
+        decoding = first in engine.requests
+        for o in engine.step():
+            outs[o.request_id].extend(o.token_ids)
+        if decoding and req is not None and before < len(long) and second in engine.requests:
+            pieces.append(req.num_computed_tokens - before)
+    assert len([p for p in pieces if p > 0]) > 1 and max(pieces) < len(long)
+    for rid, p in ((first, short), (second, long)):
+        full = p + outs[rid]
+        ref = oracle_logits(hf_oracle, full)[len(p) - 1 : len(full) - 1]
+        assert (torch.stack(seen[rid]) - ref).abs().max().item() < TOL, rid

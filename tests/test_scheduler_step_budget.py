@@ -27,12 +27,12 @@ OFF = {"high": 0.0, "normal": 0.0, "low": 0.0}
 
 class Sim:
     def __init__(self, step_budget_ms: dict, hold_s: float = 2.0, num_blocks: int = 1024,
-                 cost: StepCost = COST) -> None:
+                 cost: StepCost = COST, prefill_share: float = 0.0) -> None:
         self.clock = FakeClock(100.0)
         self.cost = StepCostModel(prior=cost)  # nothing observed: its costs are the prior's
         self.scheduler = Scheduler(KVCacheManager(num_blocks, BLOCK, public_root=ROOT), TOKENS_PER_STEP, 64,
                                    qos=QosConfig(step_budget_ms=step_budget_ms, step_budget_hold_s=hold_s),
-                                   step_cost=self.cost, clock=self.clock)
+                                   step_cost=self.cost, clock=self.clock, prefill_share=prefill_share)
         self.requests: dict[str, Request] = {}
         self.token = 1000
 
@@ -223,6 +223,64 @@ def test_a_restored_request_with_a_long_rest_or_alone_computes_it_in_full_chunks
     alone = Sim(OFF)
     restored(alone, history_len=2048, new_len=16)
     assert tokens_of(alone.step(), "restored") == 16
+
+
+def streams_cost(plan: StepPlan) -> float:
+    """What the streams' decodes in `plan` cost alone (prompts of 40 tokens, so their contexts are short)."""
+    decodes = [s for s in plan.decodes if s.request.request_id.startswith("stream")]
+    return COST.seconds(StepShape(0, len(decodes), sum(s.context_len for s in decodes)))
+
+
+def test_with_a_prefill_share_a_prompt_beside_decoding_streams_goes_in_pieces_within_it():
+    """prefill_share 0.25: a 400-token prompt sent while three chat streams decode computes in pieces that
+    keep every step within 1.25x the streams' decodes alone, also once each stream's next request (admitted
+    after the prompt, so behind it in the running order; the streams' turns end apart) decodes; once the streams end, the rest goes in one
+    chunk. Without the share, the same prompt takes its chunk whole beside them."""
+    sim = Sim(OFF, prefill_share=0.25)
+    for i in range(3):
+        sim.add(f"stream{i}-0", "normal", prompt_len=40, max_tokens=8 + i)  # turns of 8, 9, 10 steps
+    sim.step()
+    prompt = sim.add("prompt", "normal", prompt_len=400, max_tokens=2)
+    pieces, turns = [], 0
+    while turns < 30:
+        plan = sim.step()
+        pieces.append(tokens_of(plan, "prompt"))
+        streams = [s for s in plan.scheduled if s.request.request_id.startswith("stream")]
+        assert len(streams) == 3 and all(s.num_new_tokens == 1 for s in streams)
+        shape = StepShape(0, 3, sum(s.context_len for s in streams))
+        assert COST.seconds(plan.shape) <= 1.25 * COST.seconds(shape) + 1e-9
+        for i in range(3):  # a stream's next turn: one new token, as short as a decode
+            if not any(r.startswith(f"stream{i}-") for r in sim.requests):
+                turns += 1
+                sim.add(f"stream{i}-{turns}", "normal", prompt_len=1, max_tokens=8 + i)
+    assert 0 < max(pieces) < 10 and all(pieces) and prompt.num_computed_tokens < 400
+    while any(r.startswith("stream") for r in sim.requests):
+        sim.step()
+    left = prompt.num_prompt_tokens - prompt.num_computed_tokens
+    assert tokens_of(sim.step(), "prompt") == left
+
+    off = Sim(OFF)
+    for i in range(3):
+        off.add(f"stream{i}", "normal", prompt_len=40, max_tokens=60)
+    off.step()
+    off.add("prompt", "normal", prompt_len=400, max_tokens=2)
+    assert tokens_of(off.step(), "prompt") == 400
+
+
+def test_a_prefill_share_keeps_a_prompt_within_it_beside_its_own_class_or_a_higher_one_only():
+    """A high prompt beside normal streams takes its chunk whole; a low one is cut beside them."""
+    sim = Sim(OFF, prefill_share=0.25)
+    for i in range(3):
+        sim.add(f"stream{i}", "normal", prompt_len=40, max_tokens=60)
+    sim.step()
+    sim.add("high", "high", prompt_len=300, max_tokens=2)
+    sim.add("low", "low", prompt_len=300, max_tokens=2)
+    plan = sim.step()
+    assert tokens_of(plan, "high") == 300 and tokens_of(plan, "low") == 0
+    plan = sim.step()  # the high one decodes now: the low prompt is cut to the share over all four decodes
+    decodes = [s for s in plan.decodes if s.request.request_id != "low"]
+    assert len(decodes) == 4 and 0 < tokens_of(plan, "low") < 10
+    assert COST.seconds(plan.shape) <= 1.25 * COST.seconds(StepShape(0, 4, sum(s.context_len for s in decodes)))
 
 
 def test_a_high_request_is_not_held_behind_low_ones_that_aged_past_it():

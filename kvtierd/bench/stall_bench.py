@@ -32,6 +32,9 @@ same long context with nothing to transfer, so what the load window costs the
 streams beyond it is the load's. The recompute's window is what a load that
 falls back to recomputing (a slow or stopped Redis) cannot do better than.
 
+With `prefill_share` set, a prompt computed beside the streams (a recompute,
+a fresh prompt, a restored prompt's rest) goes in pieces within that share of
+their step, which shows what smooth streams cost the long prompts' TTFT.
 With `stream_priority` high, the streams outrank the long prompts (normal):
 the daemon's step budget (`[qos] step_budget_ms`) then cuts the long
 prompts' work around the streams' steps, which shows what that trade costs
@@ -76,6 +79,7 @@ SCENARIOS = ("disk", "remote", "remote slow", "remote stopped")
 TARGET_ITL_P99_X = 1.25  # running streams' ITL p99 during a load, at most this times their p99 without it
 TARGET_NEXT_TURN_X = 1.2  # a next turn sent right after a long turn, at most this times one sent later
 REDIS_START_S = 30.0  # a hang guard
+SETTLE_S = 0.2  # after a recompute, the streams' steps are their own again within this
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +98,9 @@ class StallWorkload:
     # The streams' QoS class ("high": the daemon's step budget cuts the long prompts' work, which stay normal,
     # around the streams' steps); None: the daemon's default class, the long prompts' own.
     stream_priority: str | None = None
+    # The daemons' `[engine] prefill_share`: while the streams decode, a prompt's prefill adds at most this share
+    # to their step (0: the daemon's default, off).
+    prefill_share: float = 0.0
     seed: int = 0
 
 
@@ -117,6 +124,8 @@ def _env(w: StallWorkload, *, host: bool = False, disk: bool, remote_url: str = 
            "KVTIERD_HOST_BYTES": "2GiB" if host else "0", "KVTIERD_DISK_BYTES": "16GiB" if disk else "0",
            "KVTIERD_WARM_SESSIONS": "0", "KVTIERD_REMOTE_URL": remote_url, "KVTIERD_REMOTE_FLEET": "bench-stall",
            "KVTIERD_REMOTE_ADMISSION": admission, "KVTIERD_QOS_MAX_QUEUE_S": "high=0,normal=0,low=0"}
+    if w.prefill_share:
+        env["KVTIERD_PREFILL_SHARE"] = str(w.prefill_share)
     if secret is not None:
         env["KVTIERD_REMOTE_SECRET_FILE"] = str(secret)
     return env
@@ -312,8 +321,10 @@ async def _measure(socket: Path, w: StallWorkload, name: str, prompts: list[list
             hits.append(ttft_hit * 1e3)
             recomputes.append(ttft_recompute * 1e3)
             infos.append(info)
-            await asyncio.sleep(max(1.0, 1.2 * ttft_load))
-            quiet_since = time.perf_counter()
+            # The next load's window without it lies in this spell (it is as long as this load's window), past
+            # the streams' gap across the recompute, which ends in its first steps.
+            quiet_since = time.perf_counter() + SETTLE_S
+            await asyncio.sleep(SETTLE_S + max(1.0, 1.2 * ttft_load))
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -326,6 +337,8 @@ async def _measure(socket: Path, w: StallWorkload, name: str, prompts: list[list
             "ttft_load_all_ms": loads, "ttft_recompute_all_ms": recomputes, "ttft_device_hit_all_ms": hits,
             "window_ms": statistics.median((end - send) * 1e3 for _, send, end in windows),
             "baseline_window_ms": statistics.median((send - base) * 1e3 for base, send, _ in windows),
+            "window_all_ms": [(end - send) * 1e3 for _, send, end in windows],
+            "baseline_window_all_ms": [(send - base) * 1e3 for base, send, _ in windows],
             "without_load": _itl([g for base, send, _ in windows for g in log.gaps_ms(base, send)]),
             "with_load": _itl([g for _, send, end in windows for g in log.gaps_ms(send, end)]),
             "with_device_hit": _itl([g for start, end in hit_windows for g in log.gaps_ms(start, end)]),

@@ -459,6 +459,9 @@ def bench_stall(
     stream_priority: Annotated[Optional[str], typer.Option(
         help="The streams' QoS class (high: the step budget guards them from the long prompts, which stay "
              "normal); default: the long prompts' own.")] = None,
+    prefill_share: Annotated[float, typer.Option(
+        help="The daemons' [engine] prefill_share: a prompt beside the streams adds at most this share to their "
+             "step; 0: off (the default).")] = 0.0,
     json_path: JsonOpt = None,
 ) -> None:
     """Running streams' ITL while another request's long prompt loads from disk or Redis (normal, slow, stopped),
@@ -470,7 +473,7 @@ def bench_stall(
                       head_start_s=head_start, redis_delay_ms=redis_delay_ms, kv_cache=kv_cache,
                       scenarios=tuple(x.strip() for x in scenarios.split(",") if x.strip()),
                       turn_tokens=turn_tokens, turn_repeats=turn_repeats, load_repeats=load_repeats,
-                      stream_priority=stream_priority)
+                      stream_priority=stream_priority, prefill_share=prefill_share)
     try:
         f = run_stall_bench(w)
     except ServeBenchError as e:
@@ -496,6 +499,7 @@ def bench_stall(
                      ms(r["ttft_load_ms"]), ms(r["ttft_device_hit_ms"]), ms(r["ttft_recompute_ms"])])
     print_table(f"running streams' ITL without / with a {w.prompt_tokens:,}-token prompt loading (ms; "
                 f"{w.streams} streams{f' of priority {w.stream_priority}' if w.stream_priority else ''}; "
+                f"{f'prefill share {w.prefill_share:g}; ' if w.prefill_share else ''}"
                 f"{w.load_repeats} loads, TTFT median)",
                 ["scenario", "cached by tier", "gaps", "ITL p50", "p99", "max", "p99 x", "x hit", "x recompute",
                  "TTFT load", "TTFT hit", "TTFT recompute"], rows)

@@ -80,6 +80,10 @@ class EngineConfig:
     kv_cache_bytes: int = DEFAULT_KV_CACHE_BYTES  # device KV pool size
     max_num_batched_tokens: int = 2048  # per-step token budget (chunked prefill)
     max_num_seqs: int = 64  # running requests at once
+    # While requests decode, a prompt's prefill beside them (of their class or a lower one) adds at most this
+    # share to their step's predicted cost: its chunks are cut to fit, a token at least (engine/scheduler.py).
+    # 0: off, a chunk is as large as max_num_batched_tokens allows.
+    prefill_share: float = 0.0
     max_model_len: int | None = None  # defaults to the model's context window
     enable_prefix_caching: bool = True  # reuse cached pages across requests (off: every prompt is computed)
     eviction_policy: str = "lru"  # which idle cached page is reused first: lru, lfu or cost (cache/eviction.py)
@@ -96,6 +100,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
+        if not self.prefill_share >= 0:
+            raise ValueError("prefill_share must be 0 (off) or positive")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}")
         if self.hash_algorithm not in HASH_FUNCTIONS:

@@ -120,7 +120,8 @@ class LLMEngine:
         if self.tiers is not None:  # the restore planner weighs loads against recomputing, as the steps cost
             self.tiers.planner.recompute_cost = self._recompute_s
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
-                                   config.enable_prefix_caching, config.qos, self.step_cost)
+                                   config.enable_prefix_caching, config.qos, self.step_cost,
+                                   prefill_share=config.prefill_share)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
         self.step_threads = StepThreads(lambda: BACKGROUND_WORK.busy)  # a core left to loads and stores
         self.requests: dict[str, Request] = {}
@@ -314,7 +315,10 @@ class LLMEngine:
         return outputs
 
     def _recompute_s(self, tokens: int) -> float:
-        return self.step_cost.current.prefill_seconds(tokens, self.config.max_num_batched_tokens)
+        seconds = self.step_cost.current.prefill_seconds(tokens, self.config.max_num_batched_tokens)
+        share = self.config.prefill_share
+        # Beside decodes, a prefill takes `share` of their step's cost each step: it runs (1 + share) / share longer.
+        return seconds * (1 + share) / share if share and self.scheduler.decoding else seconds
 
     def _observe_reserve(self) -> None:
         reserve = self.kv.pool.reserve

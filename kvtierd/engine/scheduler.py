@@ -25,6 +25,17 @@ RESTORED_STEP_SHARE of its cost, when RESTORED_MAX_PIECES of them suffice:
 in one piece, each of its tokens attends over the whole loaded context, and
 the streams' step ran 3-5x its time.
 
+Prefills beside decodes: running requests' decodes are planned before any
+prefill chunk, and a chunk is sized beside them. With `prefill_share` set,
+a prompt (of their class or a lower one) computes, while they decode, in
+pieces that keep the step's predicted cost within that share over theirs,
+a token at least: the streams' inter-token gaps stay smooth, and the prompt
+takes the rest of the machine only once they end (its first token comes
+later: on a 2-core CPU a 2,560-token prompt beside three streams took many
+times its TTFT alone). Off (0, the default), a chunk is as large as the token
+budget allows and a long prompt's steps stall the streams for its length
+(1-1.5 s there).
+
 Preemption: when pages run out for a running request, the lowest-class, most
 recently admitted one goes (the end of `running`). Before that, a waiting
 request that outranks running ones and would not fit takes their room: the
@@ -147,12 +158,15 @@ class _StepRoom:
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  enable_prefix_caching: bool = True, qos: QosConfig | None = None,
-                 step_cost: StepCostModel | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 step_cost: StepCostModel | None = None, clock: Callable[[], float] = time.monotonic,
+                 prefill_share: float = 0.0) -> None:
         qos = qos or QosConfig()
         self.kv = kv
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
+        self.prefill_share = prefill_share  # what a prefill may add to a step of decodes, of their cost (0: off)
+        self.decoding = False  # the last plan had decodes: a prefill now would go beside them
         self.max_queue_s: Mapping[str, float] = qos.max_queue_s
         self.shed_low_after_s = qos.shed_low_after_s
         self.step_budget_ms: Mapping[str, float | None] = qos.step_budget_ms
@@ -197,30 +211,34 @@ class Scheduler:
                 room.limit_s, room.lower_floor = self._limit_s(room.top, plan.shape)
             self._serve_running(plan, room, lower)
             self._admit_waiting(plan, room, lower, inflight, no_room, deferred)
+        self.decoding = bool(plan.decodes)
         return plan
 
     def _serve_running(self, plan: StepPlan, room: _StepRoom, lower: bool) -> None:
         """Plans the pending tokens of the running requests of the top class (or, `lower`, of the classes
-        below it) that are not planned yet; preempts from the end of `running` when pages run out."""
-        i = 0
-        while i < len(self.running) and room.tokens > 0:
-            req = self.running[i]
-            i += 1
-            if req.request_id in room.planned or self._is_lower(req, room) != lower:
-                continue
-            n = self._num_new_tokens(req, plan, room)
-            if n == 0:
-                continue  # the time is spent for it; a decode of another may still fit
-            alloc = self.kv.allocate_slots(req.request_id, n)
-            while alloc is None:
-                room.admitting = False  # memory is short: admit nobody
-                victim = self._pop_victim(room.planned)
-                self._preempt(victim)
-                plan.preempted.append(victim)
-                if victim is req:
-                    return  # the ones after it went first
+        below it) that are not planned yet, their decodes first (a prefill beside them is sized by what they
+        cost); preempts from the end of `running` when pages run out."""
+        for decodes in (True, False):
+            i = 0
+            while i < len(self.running) and room.tokens > 0:
+                req = self.running[i]
+                i += 1
+                if req.request_id in room.planned or self._is_lower(req, room) != lower or \
+                        (req.num_pending_tokens == 1) != decodes:
+                    continue
+                n = self._num_new_tokens(req, plan, room)
+                if n == 0:
+                    continue  # the time is spent for it; a decode of another may still fit
                 alloc = self.kv.allocate_slots(req.request_id, n)
-            self._add_to_plan(plan, room, ScheduledRequest(req, n, alloc, req.num_computed_tokens + n))
+                while alloc is None:
+                    room.admitting = False  # memory is short: admit nobody
+                    victim = self._pop_victim(room.planned)
+                    self._preempt(victim)
+                    plan.preempted.append(victim)
+                    if victim is req:
+                        return  # the ones after it went first
+                    alloc = self.kv.allocate_slots(req.request_id, n)
+                self._add_to_plan(plan, room, ScheduledRequest(req, n, alloc, req.num_computed_tokens + n))
 
     def _admit_waiting(self, plan: StepPlan, room: _StepRoom, lower: bool, inflight: set[BlockHash],
                        no_room: set[str], deferred: set[TenantKey]) -> None:
@@ -270,8 +288,10 @@ class Scheduler:
         """Its pending tokens, within the token budget, in pieces for a restored prompt's rest while others
         decode, and, for a class below the top one, within the time limit."""
         n = min(req.num_pending_tokens, room.tokens)
-        if n > 1 and plan.decodes and req.prefix_loaded and any(req.tokens_from_below.values()):
-            n = self._restored_piece(req, plan.shape, n)
+        if n > 1 and plan.decodes:
+            n = self._beside_decodes(req, plan, n)
+            if n == 0:
+                return 0
         if room.limit_s is None or not self._is_lower(req, room):
             return n
         cost = self.step_cost.current
@@ -286,23 +306,38 @@ class Scheduler:
         room.lower_floor = False
         return fits or (min(n, self.kv.block_size) if floor else 0)
 
-    def _restored_piece(self, req: Request, others: StepShape, n: int) -> int:
-        """How many of the `n` pending prompt tokens of `req` (its prefix loaded from below) go beside the others'
-        work planned (`others`): the most that keep the step within RESTORED_STEP_SHARE of its cost without
-        them (at least one), or all `n` when its prompt's rest would take more than RESTORED_MAX_PIECES."""
+    def _beside_decodes(self, req: Request, plan: StepPlan, n: int) -> int:
+        """How many of the `n` pending prompt tokens of `req` go beside the decodes planned. With
+        `prefill_share` set, while decodes of its class or a higher one are planned: the most that keep the
+        step within that share over their cost (one at least, unless another prefill took the room first).
+        Otherwise, for a prefix loaded from below: its rest within RESTORED_STEP_SHARE, when
+        RESTORED_MAX_PIECES such pieces suffice, else all `n`; any other prompt: all `n`."""
+        if self.prefill_share > 0 and any(RANK[s.request.qos_class] <= RANK[req.qos_class] for s in plan.decodes):
+            return self._piece(req, plan, n, self.prefill_share, floor=0 if plan.prefills else 1)
+        if req.prefix_loaded and any(req.tokens_from_below.values()):
+            k = self._piece(req, plan, n, RESTORED_STEP_SHARE, floor=1)
+            return k if req.num_prompt_tokens - req.num_computed_tokens <= RESTORED_MAX_PIECES * k else n
+        return n
+
+    def _piece(self, req: Request, plan: StepPlan, n: int, share: float, floor: int) -> int:
+        """The most of the `n` pending prompt tokens of `req` that keep the step's predicted cost within
+        (1 + `share`) times its decodes' alone, and at least `floor`."""
         cost = self.step_cost.current
         cached = req.num_computed_tokens
+        decodes = StepShape(0, len(plan.decodes), sum(s.context_len for s in plan.decodes))
+        limit_s = (1 + share) * cost.seconds(decodes)
+        others = plan.shape
 
-        def seconds(k: int) -> float:
+        def fits(k: int) -> bool:
             # The fit charges a sequence's context once (a decode's one query); each new token attends over it.
             shape = others.plus(num_prefill_tokens=k, num_context_tokens=cached + k)
-            return cost.seconds(shape) + (k - 1) * cost.regime(shape).context_token_s * cached
+            return cost.seconds(shape) + (k - 1) * cost.regime(shape).context_token_s * cached <= limit_s
 
-        limit_s = (1 + RESTORED_STEP_SHARE) * cost.seconds(others)
-        k = 1
-        while k < n and seconds(k + 1) <= limit_s:
-            k += 1
-        return k if req.num_prompt_tokens - cached <= RESTORED_MAX_PIECES * k else n
+        lo, hi = floor, n  # the most that fit lies in [lo, hi]
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+        return lo
 
     def _is_lower(self, req: Request, room: _StepRoom) -> bool:
         return RANK[req.qos_class] > RANK[room.top]

@@ -257,6 +257,9 @@ SETTINGS: tuple[Setting, ...] = (
             "system prompt); off: 404"),
     Setting("max_num_batched_tokens", "engine", "max_num_batched_tokens", 2048, int_between(1), "tokens per engine step (chunked prefill budget)"),
     Setting("max_num_seqs", "engine", "max_num_seqs", 64, int_between(1), "requests running at once"),
+    Setting("prefill_share", "engine", "prefill_share", 0.0, float_at_least(0.0),
+            "while requests decode, a prefill beside them adds at most this share to their step's cost (its "
+            "chunks cut to fit: smooth streams, slower first tokens for long prompts); 0: off"),
     Setting("max_model_len", "engine", "max_model_len", 0, int_between(0), "context window in tokens (0: the model's)"),
     Setting("default_max_tokens", "engine", "default_max_tokens", 512, int_between(1), "max_tokens when a request gives none"),
     Setting("host_bytes", "tiers", "host_bytes", 2 << 30, parse_bytes,
@@ -372,6 +375,7 @@ class Settings:
     session_create_on_first_use: bool
     max_num_batched_tokens: int
     max_num_seqs: int
+    prefill_share: float
     max_model_len: int
     default_max_tokens: int
     host_bytes: int
