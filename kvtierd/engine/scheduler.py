@@ -30,11 +30,12 @@ prefill chunk, and a chunk is sized beside them. With `prefill_share` set,
 a prompt (of their class or a lower one) computes, while they decode, in
 pieces that keep the step's predicted cost within that share over theirs,
 a token at least: the streams' inter-token gaps stay smooth, and the prompt
-takes the rest of the machine only once they end (its first token comes
-later: on a 2-core CPU a 2,560-token prompt beside three streams took many
-times its TTFT alone). Off (0, the default), a chunk is as large as the token
-budget allows and a long prompt's steps stall the streams for its length
-(1-1.5 s there).
+takes the rest of the machine only once they end. Its first token comes much
+later: on a 2-core CPU, past a few hundred tokens of context one token of it
+costs more than a quarter of the streams' step, so at 0.25 a 2,560-token
+prompt beside three streams moved a token a step (up to 50 s against 1.9 s).
+Off (0, the default), a chunk is as large as the token budget allows and a
+long prompt's steps stall the streams for its length (1-1.5 s there).
 
 Preemption: when pages run out for a running request, the lowest-class, most
 recently admitted one goes (the end of `running`). Before that, a waiting
