@@ -47,6 +47,7 @@ def test_stall_bench_measures_the_streams_around_each_load_and_the_next_turns(lo
         # Past the first (the streams' head start may be shorter), each load's window without it is as long as
         # its own: it lies in the quiet spell after the load before.
         assert r["baseline_window_all_ms"][1:] == pytest.approx(r["window_all_ms"][1:])
+        assert r["ttft_warm_load_ms"] > 0 and len(r["with_load_max_all_ms"]) == len(r["without_load_max_all_ms"]) == 2
     turns = f["next_turn"]
     assert len(turns["right_after_all_ms"]) == len(turns["later_all_ms"]) == 1
     assert turns["x"] == pytest.approx(turns["right_after_ms"] / turns["later_ms"])

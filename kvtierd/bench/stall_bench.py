@@ -14,7 +14,9 @@ and host tier hold nothing of them:
     remote stopped  the same, redis-server stopped right before the first load (the last scenario)
 
 In each, `streams` chat streams decode back to back; after `head_start_s`
-a long prompt is sent (the load); once it answered, the same prompt again
+one more stored prompt is loaded, unmeasured (a warm-up: the daemon's first
+load pays one-time costs), and after a quiet spell a long prompt is sent
+(the load); once it answered, the same prompt again
 (its pages are on the device now: the device hit), then a fresh prompt of
 the same length (nothing cached: the recompute); then, after a quiet spell,
 the next of `load_repeats` long prompts the same way. The streams'
@@ -94,7 +96,9 @@ class StallWorkload:
     turn_tokens: int = 1450  # the stores: the long first turn's document
     turn_later_s: float = 6.0
     turn_repeats: int = 2
-    load_repeats: int = 3  # long prompts stored, each loaded once per scenario (TTFTs: median; gaps: pooled)
+    # Long prompts stored, each loaded once per scenario (TTFTs: median; gaps: pooled). A p99 needs many gaps:
+    # with 3, each scenario's came from about a hundred, and one slow step moved it.
+    load_repeats: int = 8
     # The streams' QoS class ("high": the daemon's step budget cuts the long prompts' work, which stay normal,
     # around the streams' steps); None: the daemon's default class, the long prompts' own.
     stream_priority: str | None = None
@@ -283,11 +287,12 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 # -- one scenario -----------------------------------------------------------------------------------------
 
 
-async def _measure(socket: Path, w: StallWorkload, name: str, prompts: list[list[int]], fresh: list[list[int]],
-                   before_load=None, before_each=None) -> dict:
-    """Each stored prompt loaded in turn beside the streams, each followed by a fresh prompt of its length (the
-    recompute), then a quiet spell at least as long as the load took, so the next load's window without it
-    holds only the streams' own steps."""
+async def _measure(socket: Path, w: StallWorkload, name: str, warm: list[int], prompts: list[list[int]],
+                   fresh: list[list[int]], before_load=None, before_each=None) -> dict:
+    """A stored prompt loaded beside the streams once, unmeasured (the daemon's first load pays its one-time
+    costs, as its first request does); then each of the others in turn, each followed by a fresh prompt of its
+    length (the recompute), then a quiet spell at least as long as the load took, so the next load's window
+    without it holds only the streams' own steps."""
     async with async_client(socket) as client:
         await _chat(client, [{"role": "user", "content": "Say hello."}], 2)  # warm-up, not measured
         log = Streams()
@@ -297,9 +302,11 @@ async def _measure(socket: Path, w: StallWorkload, name: str, prompts: list[list
                  for i in range(w.streams)]
         t_start = time.perf_counter()
         await asyncio.sleep(w.head_start_s)
+        ttft_warm, _ = await _completion(client, warm)
         if before_load is not None:
             await asyncio.to_thread(before_load)
-        quiet_since = t_start + 1.0  # the streams' first second is not steady yet
+        quiet_since = time.perf_counter() + SETTLE_S
+        await asyncio.sleep(SETTLE_S + max(1.0, 1.2 * ttft_warm))
         loads, hits, recomputes, infos, hit_infos = [], [], [], [], []
         windows, hit_windows, fresh_windows = [], [], []
         for prompt, other in zip(prompts, fresh, strict=True):
@@ -339,6 +346,10 @@ async def _measure(socket: Path, w: StallWorkload, name: str, prompts: list[list
             "baseline_window_ms": statistics.median((send - base) * 1e3 for base, send, _ in windows),
             "window_all_ms": [(end - send) * 1e3 for _, send, end in windows],
             "baseline_window_all_ms": [(send - base) * 1e3 for base, send, _ in windows],
+            "ttft_warm_load_ms": ttft_warm * 1e3,
+            # Each load window's largest gap, and its window's without: where a pooled p99 comes from.
+            "with_load_max_all_ms": [max(log.gaps_ms(send, end), default=None) for _, send, end in windows],
+            "without_load_max_all_ms": [max(log.gaps_ms(base, send), default=None) for base, send, _ in windows],
             "without_load": _itl([g for base, send, _ in windows for g in log.gaps_ms(base, send)]),
             "with_load": _itl([g for _, send, end in windows for g in log.gaps_ms(send, end)]),
             "with_device_hit": _itl([g for start, end in hit_windows for g in log.gaps_ms(start, end)]),
@@ -399,7 +410,7 @@ def run_stall_bench(w: StallWorkload) -> dict:
     if w.stream_priority not in (None, *QOS_CLASSES):
         raise ServeBenchError(f"the streams' priority must be one of {', '.join(QOS_CLASSES)}")
     rng = random.Random(w.seed)
-    prompts = [_prompt(rng, w.prompt_tokens) for _ in range(w.load_repeats)]
+    warm, *prompts = [_prompt(rng, w.prompt_tokens) for _ in range(1 + w.load_repeats)]
     root = Path(tempfile.mkdtemp(prefix="kvtd-stall-", dir="/tmp"))  # short: socket paths fit sun_path
     results: list[dict] = []
     try:
@@ -411,7 +422,7 @@ def run_stall_bench(w: StallWorkload) -> dict:
             writer.mkdir()
             with started_daemon(root=writer, env=_env(w, host=True, disk=True, remote_url=url, secret=secret,
                                                       admission="all")) as sock:
-                asyncio.run(_store(sock, prompts))
+                asyncio.run(_store(sock, [warm, *prompts]))
                 turns = asyncio.run(_next_turns(sock, w)) if w.turn_repeats else None
             for name in [s for s in SCENARIOS if s in w.scenarios]:
                 other = random.Random(f"{w.seed}-{name}")
@@ -419,7 +430,7 @@ def run_stall_bench(w: StallWorkload) -> dict:
                 if name == "disk":
                     _drop_page_cache(writer)
                     with started_daemon(root=writer, env=_env(w, disk=True)) as sock:
-                        results.append(asyncio.run(_measure(sock, w, name, prompts, fresh,
+                        results.append(asyncio.run(_measure(sock, w, name, warm, prompts, fresh,
                                                             before_each=lambda: _drop_page_cache(writer))))
                     continue
                 own = root / name.replace(" ", "-")
@@ -427,7 +438,7 @@ def run_stall_bench(w: StallWorkload) -> dict:
                 stop = _stopper(server) if name == "remote stopped" else None
                 with _remote_url(name, server.port, w) as remote:
                     with started_daemon(root=own, env=_env(w, disk=False, remote_url=remote, secret=secret)) as sock:
-                        results.append(asyncio.run(_measure(sock, w, name, prompts, fresh, stop)))
+                        results.append(asyncio.run(_measure(sock, w, name, warm, prompts, fresh, stop)))
     finally:
         shutil.rmtree(root, ignore_errors=True)
     for r in results:

@@ -455,7 +455,7 @@ def bench_stall(
     turn_tokens: Annotated[int, typer.Option(help="Stores: the long first turn's document tokens.")] = 1450,
     turn_repeats: Annotated[int, typer.Option(help="Stores: next turns of each kind (median; 0: skip).")] = 2,
     load_repeats: Annotated[int, typer.Option(help="Long prompts loaded per scenario (TTFT: median; ITL gaps: "
-                                              "pooled).")] = 3,
+                                              "pooled).")] = 8,
     stream_priority: Annotated[Optional[str], typer.Option(
         help="The streams' QoS class (high: the step budget guards them from the long prompts, which stay "
              "normal); default: the long prompts' own.")] = None,
@@ -505,7 +505,7 @@ def bench_stall(
                  "TTFT load", "TTFT hit", "TTFT recompute"], rows)
     t = f["targets"]
     typer.echo("TTFT each (load / recompute): " + "; ".join(
-        f"{r['scenario']} " + ", ".join(f"{a:,.0f}/{b:,.0f}" for a, b in zip(r["ttft_load_all_ms"],
+        f"{r['scenario']} (warm-up load {r['ttft_warm_load_ms']:,.0f}) " + ", ".join(f"{a:,.0f}/{b:,.0f}" for a, b in zip(r["ttft_load_all_ms"],
                                                                          r["ttft_recompute_all_ms"]))
         for r in f["scenarios"]))
     typer.echo(f"window: the load request's TTFT; without: the same length right before it; x: the streams' ITL p99 "
