@@ -209,3 +209,34 @@ def test_a_task_counted_until_done_counts_from_its_submission_while_it_waits_its
         release.set()
         work.engine_computes(False)
         pool.shutdown(wait=True)
+
+
+def test_a_counted_task_waiting_on_a_store_stops_counting_after_a_while_until_the_wait_ends():
+    """A store's write or a fleet GET held by a slow Redis: the steps get every thread back while it waits, and
+    leave it one again once it computes. Waits outside a counted task change nothing."""
+    work = BackgroundWork()
+    pool = work.pool(1, "test-counted")
+    in_wait, end_wait, end_task = threading.Event(), threading.Event(), threading.Event()
+
+    def task():
+        with work.waiting():
+            in_wait.set()
+            end_wait.wait(30)
+        end_task.wait(30)
+
+    try:
+        with work.waiting():  # not a counted task's thread
+            assert not work.busy
+        done = pool.submit(task)
+        assert work.busy
+        assert in_wait.wait(30)
+        wait_until(lambda: not work.busy)  # it has waited COUNTED_WAIT_S
+        end_wait.set()
+        wait_until(lambda: work.busy)  # computing again
+        end_task.set()
+        done.result(timeout=30)
+        wait_until(lambda: not work.busy)
+    finally:
+        end_wait.set()
+        end_task.set()
+        pool.shutdown(wait=True)

@@ -10,8 +10,9 @@ and host tier hold nothing of them:
     disk            the writer's state directory again, the remote tier off; data.mdb's pages dropped from
                     the OS page cache (POSIX_FADV_DONTNEED) before it starts and before each load
     remote          a new state directory, disk off: the prompts' KV is in Redis only
-    remote slow     the same through a TCP proxy that holds each Redis call `redis_delay_ms`
-    remote stopped  the same, redis-server stopped right before the first load (the last scenario)
+    remote slow     the same through a TCP proxy (a process of its own: bench/slow_proxy.py) that holds each
+                    Redis call `redis_delay_ms`
+    remote stopped  the same, redis-server stopped right after the warm-up load (the last scenario)
 
 In each, `streams` chat streams decode back to back; after `head_start_s`
 one more stored prompt is loaded, unmeasured (a warm-up: the daemon's first
@@ -57,8 +58,8 @@ import shutil
 import socket as socketlib
 import statistics
 import subprocess
+import sys
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -170,62 +171,6 @@ def redis_server(directory: Path) -> Iterator[subprocess.Popen]:
         if process.poll() is None:
             process.terminate()
         process.wait(10)
-
-
-class SlowProxy:
-    """A TCP proxy on loopback, on a thread of its own, that holds each call `delay_s` before passing it to the
-    server: the first bytes a client sends after the server last answered it (a large value sent in many
-    reads is held once)."""
-
-    def __init__(self, target_port: int, delay_s: float) -> None:
-        self._target, self._delay = target_port, delay_s
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="bench-slow-proxy", daemon=True)
-        self.port = 0
-
-    def __enter__(self) -> SlowProxy:
-        self._thread.start()
-        self._ready.wait()
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
-        self.port = server.sockets[0].getsockname()[1]
-        self._ready.set()
-        self._loop.run_forever()
-        server.close()
-
-    async def _serve(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
-        try:
-            server_r, server_w = await asyncio.open_connection("127.0.0.1", self._target)
-        except OSError:
-            client_w.close()
-            return
-        answered = [True]  # the server answered since the client last sent: its next bytes are a new call
-
-        async def up() -> None:
-            while data := await client_r.read(1 << 16):
-                if answered[0]:
-                    answered[0] = False
-                    await asyncio.sleep(self._delay)
-                server_w.write(data)
-                await server_w.drain()
-            server_w.close()
-
-        async def down() -> None:
-            while data := await server_r.read(1 << 16):
-                answered[0] = True
-                client_w.write(data)
-                await client_w.drain()
-            client_w.close()
-
-        await asyncio.gather(up(), down(), return_exceptions=True)
 
 
 # -- clients ----------------------------------------------------------------------------------------------
@@ -464,8 +409,13 @@ def _remote_url(name: str, port: int, w: StallWorkload) -> Iterator[str]:
     if name != "remote slow":
         yield f"redis://127.0.0.1:{port}"
         return
-    with SlowProxy(port, w.redis_delay_ms / 1e3) as proxy:
-        yield f"redis://127.0.0.1:{proxy.port}"
+    proxy = subprocess.Popen([sys.executable, "-m", "kvtierd.bench.slow_proxy", str(port), str(w.redis_delay_ms)],
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        yield f"redis://127.0.0.1:{int(proxy.stdout.readline())}"
+    finally:
+        proxy.terminate()
+        proxy.wait(10)
 
 
 def _stopper(server: subprocess.Popen):

@@ -112,7 +112,8 @@ class ChunkWriter:
                      for key, identity, kv in chunks]
             owner = chunks[0][1].namespace  # one chunk per batch (`submit`): the stores keep who stored it
             marks = {"cataloged": True} if cataloged else {}  # only the disk store is given cataloged chunks
-            stored = bool(self._guarded(lambda: self.store.put_many(items, owner=owner, **marks)))
+            with BACKGROUND_WORK.waiting():  # the store's I/O (a Redis round trip, an fsync): no core held past a bit
+                stored = bool(self._guarded(lambda: self.store.put_many(items, owner=owner, **marks)))
         except Exception:  # a bug, not the disk: the executor would swallow it silently
             log.exception("writing %d chunk(s) to the %s KV tier failed", len(chunks), self.tier)
         finally:
