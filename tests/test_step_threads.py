@@ -5,7 +5,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from kvtierd.engine.step_threads import StepThreads
+from kvtierd.engine.step_threads import LONG_STEP_S, StepThreads
 from kvtierd.kernels.torch_threads import COMPUTE_THREADS
 from kvtierd.tiers.background_work import BackgroundWork
 
@@ -45,6 +45,9 @@ def test_a_step_leaves_one_thread_to_pending_background_work():
         assert threads.before_step() == 4 and torch.get_num_threads() == 4
         pending[0] = True
         assert threads.before_step() == 3 and torch.get_num_threads() == 3
+        # A long step (a prefill chunk) keeps every thread: a burst beside it costs it less than half its threads.
+        assert threads.before_step(predicted_s=LONG_STEP_S) == 4 and torch.get_num_threads() == 4
+        assert threads.before_step(predicted_s=LONG_STEP_S / 2) == 3
         pending[0] = False
         assert threads.before_step() == 4 and torch.get_num_threads() == 4
         assert StepThreads(lambda: True, num_threads=1).before_step() == 1  # never below one

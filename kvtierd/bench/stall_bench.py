@@ -46,7 +46,8 @@ the long prompts' TTFT.
 A gap belongs to the window its second token arrived in. Then, on the writer
 daemon (disk and remote on), the stores: a chat session's next turn sent right
 after a long first turn, while that turn's KV is written below behind it,
-beside another session's next turn sent `turn_later_s` later.
+beside another session's next turn sent `turn_later_s` later; before each
+first turn, the daemon's pending writes (the long prompts') are let finish.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ SCENARIOS = ("disk", "remote", "remote slow", "remote stopped")
 TARGET_ITL_P99_X = 1.25  # running streams' ITL p99 during a load, at most this times their p99 without it
 TARGET_NEXT_TURN_X = 1.2  # a next turn sent right after a long turn, at most this times one sent later
 REDIS_START_S = 30.0  # a hang guard
+DRAIN_S = 300.0  # a hang guard
 SETTLE_S = 0.2  # after a recompute, the streams' steps are their own again within this
 
 
@@ -327,6 +329,7 @@ async def _next_turns(socket: Path, w: StallWorkload) -> dict:
     async with async_client(socket) as client:
         await _chat(client, [{"role": "user", "content": "Say hello."}], 2)
         for i in range(2 * w.turn_repeats):  # alternating: right after, then later
+            await _stores_drained(client)  # what is stored behind the next turn is its own turn's KV alone
             first = [{"role": "user", "content": f"{document(tok, w.turn_tokens, seed=100 + i)}\n\n{questions(1)[0]}"}]
             sid = f"bench-stall-{w.seed}-{i}-{time.time_ns()}"
             _, reply = await _chat(client, first, 8, session_id=sid)
@@ -339,6 +342,16 @@ async def _next_turns(socket: Path, w: StallWorkload) -> dict:
            "right_after_all_ms": now, "later_all_ms": later}
     out["x"] = out["right_after_ms"] / out["later_ms"]
     return out
+
+
+async def _stores_drained(client: httpx.AsyncClient) -> None:
+    """Waits until no lower tier of the daemon has writes pending (`/admin/tiers`): the long prompts stored
+    before would otherwise still be written while a turn is measured."""
+    end = time.monotonic() + DRAIN_S
+    while any(t.get("pending_writes") for t in (await client.get("/admin/tiers")).json()["tiers"]):
+        if time.monotonic() > end:
+            raise ServeBenchError(f"the daemon's writes below the device did not end within {DRAIN_S:g} s")
+        await asyncio.sleep(0.1)
 
 
 # -- the run ----------------------------------------------------------------------------------------------

@@ -16,6 +16,13 @@ disk tier are not counted: they are paced (a share of one core, in slices
 between which they sleep), and a step keeps every thread beside them; a
 fleet load (its work in one piece) counts.
 
+A long step keeps every thread all the same (LONG_STEP_S, as the step-cost
+fit predicts it): the work beside it is a burst of a few ms (a chunk's
+encode, check or decode) that costs it about that much at every thread,
+and half its length at one. With a store's encode pending as it started, a
+2,048-token prefill ran at one thread for 2.4 s instead of 1.2, and the
+streams beside it waited all that time (`bench stall`, slow Redis).
+
 OpenMP keeps the thread count per calling thread: `before_step` is called on
 the thread that runs the step.
 """
@@ -28,15 +35,20 @@ import torch
 
 from kvtierd.kernels.torch_threads import COMPUTE_THREADS
 
+# A step predicted to take at least this long keeps every thread beside background work: a prefill chunk of
+# some hundred tokens on a small CPU, against 10-30 ms for a step of decodes.
+LONG_STEP_S = 0.1
+
 
 class StepThreads:
     def __init__(self, busy: Callable[[], bool], num_threads: int | None = None) -> None:
         self.num_threads = num_threads or COMPUTE_THREADS
         self._busy = busy
 
-    def before_step(self) -> int:
-        """Sets and returns the thread count for the step about to run."""
-        n = self.num_threads - 1 if self.num_threads > 1 and self._busy() else self.num_threads
+    def before_step(self, predicted_s: float = 0.0) -> int:
+        """Sets and returns the thread count for the step about to run, predicted to take `predicted_s`."""
+        leave_one = self.num_threads > 1 and predicted_s < LONG_STEP_S and self._busy()
+        n = self.num_threads - 1 if leave_one else self.num_threads
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
         return n
