@@ -200,7 +200,7 @@ def test_a_task_counted_until_done_counts_from_its_submission_while_it_waits_its
         assert not work.busy  # a paced task that yields does not count
         queued = pool.submit(lambda: None)
         work.count_until_done(queued)
-        assert work.busy  # queued behind the first, not started, and counted already
+        assert work.busy and work.awaited  # queued behind the first, not started, and counted already
         release.set()
         first.result(timeout=30)
         queued.result(timeout=30)
@@ -211,9 +211,9 @@ def test_a_task_counted_until_done_counts_from_its_submission_while_it_waits_its
         pool.shutdown(wait=True)
 
 
-def test_a_counted_task_waiting_on_a_store_stops_counting_after_a_while_until_the_wait_ends():
-    """A store's write or a fleet GET held by a slow Redis: the steps get every thread back while it waits, and
-    leave it one again once it computes. Waits outside a counted task change nothing."""
+def test_a_store_waiting_on_its_store_stops_counting_after_a_while_until_the_wait_ends():
+    """A store's write held by a slow Redis: the steps get every thread back while it waits, and leave it one
+    again once it computes. Waits outside a counted store's task change nothing."""
     work = BackgroundWork()
     pool = work.pool(1, "test-counted")
     in_wait, end_wait, end_task = threading.Event(), threading.Event(), threading.Event()
@@ -228,7 +228,7 @@ def test_a_counted_task_waiting_on_a_store_stops_counting_after_a_while_until_th
         with work.waiting():  # not a counted task's thread
             assert not work.busy
         done = pool.submit(task)
-        assert work.busy
+        assert work.busy and not work.awaited  # a store: no request waits for it
         assert in_wait.wait(30)
         wait_until(lambda: not work.busy)  # it has waited COUNTED_WAIT_S
         end_wait.set()

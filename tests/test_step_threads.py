@@ -39,18 +39,20 @@ def test_counted_work_counts_while_it_runs():
 
 def test_a_step_leaves_one_thread_to_pending_background_work():
     before = torch.get_num_threads()
-    pending = [False]
-    threads = StepThreads(lambda: pending[0], num_threads=4)
+    pending, awaited = [False], [False]
+    threads = StepThreads(lambda: pending[0], lambda: awaited[0], num_threads=4)
     try:
         assert threads.before_step() == 4 and torch.get_num_threads() == 4
         pending[0] = True
         assert threads.before_step() == 3 and torch.get_num_threads() == 3
-        # A long step (a prefill chunk) keeps every thread: a burst beside it costs it less than half its threads.
+        # A long step (a prefill chunk) keeps every thread beside stores: a burst costs it less than a thread...
         assert threads.before_step(predicted_s=LONG_STEP_S) == 4 and torch.get_num_threads() == 4
         assert threads.before_step(predicted_s=LONG_STEP_S / 2) == 3
-        pending[0] = False
+        awaited[0] = True  # ... but not beside work a request waits for (a fleet load)
+        assert threads.before_step(predicted_s=LONG_STEP_S) == 3
+        pending[0] = awaited[0] = False
         assert threads.before_step() == 4 and torch.get_num_threads() == 4
-        assert StepThreads(lambda: True, num_threads=1).before_step() == 1  # never below one
+        assert StepThreads(lambda: True, lambda: True, num_threads=1).before_step() == 1  # never below one
     finally:
         torch.set_num_threads(before)
 

@@ -123,7 +123,8 @@ class LLMEngine:
                                    config.enable_prefix_caching, config.qos, self.step_cost,
                                    prefill_share=config.prefill_share)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
-        self.step_threads = StepThreads(lambda: BACKGROUND_WORK.busy)  # a core left to loads and stores
+        # A core left to loads and stores (to stores, beside short steps only).
+        self.step_threads = StepThreads(lambda: BACKGROUND_WORK.busy, lambda: BACKGROUND_WORK.awaited)
         self.requests: dict[str, Request] = {}
         self.last_step: StepStats | None = None
         self.counters = EngineCounters()

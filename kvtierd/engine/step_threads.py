@@ -16,12 +16,15 @@ disk tier are not counted: they are paced (a share of one core, in slices
 between which they sleep), and a step keeps every thread beside them; a
 fleet load (its work in one piece) counts.
 
-A long step keeps every thread all the same (LONG_STEP_S, as the step-cost
-fit predicts it): the work beside it is a burst of a few ms (a chunk's
-encode, check or decode) that costs it about that much at every thread,
-and half its length at one. With a store's encode pending as it started, a
-2,048-token prefill ran at one thread for 2.4 s instead of 1.2, and the
-streams beside it waited all that time (`bench stall`, slow Redis).
+A long step (LONG_STEP_S, as the step-cost fit predicts it) keeps every
+thread beside stores all the same: a store's burst (a chunk's encode) costs
+it about its own few ms at every thread, and half the step's length at one.
+With a store's encode pending as it started, a 2,048-token prefill ran at one
+thread for 2.4 s instead of 1.2, and the streams beside it waited all that
+time (`bench stall`, slow Redis). Work a request waits for (a fleet load, a
+prefetch's copy: `awaited`) gets its core whatever the step: beside a long
+step at every thread, the first fleet load after a start took long enough
+that the restore planner chose recomputing for every load after it.
 
 OpenMP keeps the thread count per calling thread: `before_step` is called on
 the thread that runs the step.
@@ -35,19 +38,21 @@ import torch
 
 from kvtierd.kernels.torch_threads import COMPUTE_THREADS
 
-# A step predicted to take at least this long keeps every thread beside background work: a prefill chunk of
-# some hundred tokens on a small CPU, against 10-30 ms for a step of decodes.
+# A step predicted to take at least this long keeps every thread beside stores: a prefill chunk of some hundred
+# tokens on a small CPU, against 10-30 ms for a step of decodes.
 LONG_STEP_S = 0.1
 
 
 class StepThreads:
-    def __init__(self, busy: Callable[[], bool], num_threads: int | None = None) -> None:
+    def __init__(self, busy: Callable[[], bool], awaited: Callable[[], bool] = lambda: False,
+                 num_threads: int | None = None) -> None:
+        """`busy`: background work is pending; `awaited`: of it, work a request waits for."""
         self.num_threads = num_threads or COMPUTE_THREADS
-        self._busy = busy
+        self._busy, self._awaited = busy, awaited
 
     def before_step(self, predicted_s: float = 0.0) -> int:
         """Sets and returns the thread count for the step about to run, predicted to take `predicted_s`."""
-        leave_one = self.num_threads > 1 and predicted_s < LONG_STEP_S and self._busy()
+        leave_one = self.num_threads > 1 and (self._awaited() or predicted_s < LONG_STEP_S and self._busy())
         n = self.num_threads - 1 if leave_one else self.num_threads
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)

@@ -34,11 +34,12 @@ counted instead, from its submission (`count_until_done`), and does not
 pace; still one at a time. For an engine that computes nothing
 else (a lone restore) loads run at full speed, side by side.
 
-A counted task that waits on a store (a fleet value's GET, a chunk's SET or
-LMDB put: `waiting`) stops counting once that wait has lasted
-COUNTED_WAIT_S, until it ends: a core is for computing, and a slow Redis
-held such waits 300 ms a call while the steps ran at one thread beside them
-(a 2,048-token prefill took 2.4 s instead of 1.2).
+Work a request waits for (a fleet load, a prefetch's copy) is `awaited`:
+a step always leaves it a core. Stores are not: a step the engine predicts
+long keeps every thread beside them (engine/step_threads.py), and a store
+waiting on its store (a chunk's SET or LMDB put: `waiting`) stops counting
+once that wait has lasted COUNTED_WAIT_S, until it ends. A slow Redis held
+such waits 300 ms a call while the steps ran at one thread beside them.
 """
 
 from __future__ import annotations
@@ -61,9 +62,8 @@ IDLE_SPELL_S = 0.1
 # its last token alone, 0.35 and 0.2 alternated three times each: 1.31-1.63x (TTFT 244-288 ms) and 1.16-2.37x
 # (302-439 ms): no better for the streams, slower for the load.
 PACED_SHARE = 0.35
-# A counted task's wait on a store counts this long, then no more until it ends. A fleet GET on loopback (2-3 ms)
-# keeps counting: its CPU burst (HMAC, decode) follows at once, and a step started at every thread meanwhile
-# would run beside it.
+# A store's wait on its store counts this long, then no more until it ends: a SET or a put on this host takes a
+# few ms of the store's own CPU, and one through a slow network holds no core.
 COUNTED_WAIT_S = 0.02
 
 
@@ -78,6 +78,7 @@ class BackgroundWork:
         self._lock = threading.Lock()
         self._gate = threading.Condition(self._lock)  # notified when the engines go idle or a pool shuts down
         self._pending = 0  # tasks counted and not ended
+        self._awaited = 0  # of them, work a request waits for (`counted`, `count_until_done`)
         self._deferred = 0  # tasks waiting for the engines' idle spells
         self._engines_with_steps = 0
         self._engines_computing = 0  # engines with running requests: paced tasks slow down for them
@@ -85,12 +86,18 @@ class BackgroundWork:
         self._paced = threading.local()  # on a paced task's thread: `.cpu_mark`, its CPU time at its last pace
         self._paced_turn = threading.Lock()  # paced tasks run one at a time while an engine computes
         self._idle_since = float("-inf")  # monotonic time the engines last went idle
-        self._counted = threading.local()  # `.depth` > 0 on a thread running a counted task
+        self._counted = threading.local()  # `.store` on a thread running a counted store's task
         self._waits: dict[int, float] = {}  # thread id -> monotonic start of its wait on a store (counted tasks)
         self._hurried_at = float("-inf")  # deferred tasks submitted before this monotonic time start now
 
     @property
+    def awaited(self) -> bool:
+        """Work a request waits for is pending (a fleet load, a prefetch's copy up)."""
+        return self._awaited > 0
+
+    @property
     def busy(self) -> bool:
+        """Counted work is pending, but for stores that have waited on their store COUNTED_WAIT_S."""
         if not self._waits:
             return self._pending > 0
         with self._lock:
@@ -165,29 +172,18 @@ class BackgroundWork:
     @contextmanager
     def counted(self) -> Iterator[None]:
         """Counts what runs inside it: for a thread whose work only sometimes computes (a prefetch computes
-        only once its lookup found something to copy up)."""
-        self._add(1)
-        try:
-            with self.counted_thread():
-                yield
-        finally:
-            self._add(-1)
-
-    @contextmanager
-    def counted_thread(self) -> Iterator[None]:
-        """Marks what runs inside it as a counted task's work, for `waiting` (the pools mark their counted tasks;
-        a transfer worker, a load counted until done)."""
-        self._counted.depth = getattr(self._counted, "depth", 0) + 1
+        only once its lookup found something to copy up). It is work a request waits for (`awaited`)."""
+        self._add(1, awaited=True)
         try:
             yield
         finally:
-            self._counted.depth -= 1
+            self._add(-1, awaited=True)
 
     @contextmanager
     def waiting(self) -> Iterator[None]:
-        """Around a wait on a store: a counted task stops counting once it has waited COUNTED_WAIT_S, until the
+        """Around a store task's wait on its store: it stops counting once it has waited COUNTED_WAIT_S, until the
         wait ends. Elsewhere (an uncounted task, the step thread) it does nothing."""
-        if not getattr(self._counted, "depth", 0):
+        if not getattr(self._counted, "store", False):
             yield
             return
         me = threading.get_ident()
@@ -202,8 +198,8 @@ class BackgroundWork:
     def count_until_done(self, future: Future) -> None:
         """Counts a submitted task from now until it ends (or is cancelled): a paced pool's task that cannot
         yield, counted from its submission so that no step starts at every thread just before it runs."""
-        self._add(1)
-        future.add_done_callback(lambda _: self._add(-1))
+        self._add(1, awaited=True)
+        future.add_done_callback(lambda _: self._add(-1, awaited=True))
 
     def pool(self, max_workers: int, thread_name_prefix: str, defer_s: float = 0.0,
              paced: bool = False) -> ThreadPoolExecutor:
@@ -215,9 +211,20 @@ class BackgroundWork:
             return _DeferringPool(self, max_workers, thread_name_prefix, defer_s)
         return _CountedPool(self, max_workers, thread_name_prefix)
 
-    def _add(self, n: int) -> None:
+    def _add(self, n: int, awaited: bool = False) -> None:
         with self._lock:
             self._pending += n
+            if awaited:
+                self._awaited += n
+
+    @contextmanager
+    def _store_thread(self) -> Iterator[None]:
+        """Marks what runs inside it as a counted store's work, for `waiting`."""
+        self._counted.store = True
+        try:
+            yield
+        finally:
+            self._counted.store = False
 
     def _start_deferred(self, submitted: float, deadline: float, shut: Callable[[], bool]) -> None:
         """Waits until the engines have been idle for IDLE_SPELL_S, the monotonic `deadline`, `shut()` or a
@@ -255,7 +262,7 @@ class _CountedPool(ThreadPoolExecutor):
         return future
 
     def _counted(self, fn: Callable, args: tuple, kwargs: dict) -> object:
-        with self._work.counted_thread():
+        with self._work._store_thread():
             return fn(*args, **kwargs)
 
 
@@ -298,7 +305,7 @@ class _DeferringPool(ThreadPoolExecutor):
     def _deferred(self, submitted: float, deadline: float, fn: Callable, args: tuple, kwargs: dict) -> object:
         self._work._start_deferred(submitted, deadline, lambda: self._shutting)
         try:
-            with self._work.counted_thread():
+            with self._work._store_thread():
                 return fn(*args, **kwargs)
         finally:
             self._work._add(-1)

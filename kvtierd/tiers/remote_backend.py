@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from kvtierd.storage.codecs import Buffer
 from kvtierd.storage.kv_frame import ChunkIdentity
 from kvtierd.storage.redis_store import RedisStore
-from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.chunk import ChunkSpan
 from kvtierd.tiers.device_chunk import DeviceChunk
 from kvtierd.tiers.fleet_epoch import FleetEpoch
@@ -52,8 +51,7 @@ class RemoteBackend(WriterBackend):
         return self.fleet_epoch.knows(key)
 
     def _get(self, key: bytes) -> Buffer | None:
-        with BACKGROUND_WORK.waiting():  # a slow fleet's round trip does not hold a core the steps could use
-            return self.storage.get_many([key])[0]
+        return self.storage.get_many([key])[0]
 
     def _found(self, key: bytes) -> None:
         self.fleet_epoch.remember(key)  # the fleet has it: no need to send it back

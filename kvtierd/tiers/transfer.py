@@ -35,7 +35,6 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 from kvtierd.tiers.background_work import BACKGROUND_WORK, single_threaded
@@ -59,7 +58,6 @@ class ChunkLoad:
     future: Future  # its result: the Tier it counts for, or None (gone from its tier, or a failed check)
     waiters: set[str] = field(default_factory=set)
     pace_until: float | None = None  # monotonic: it yields to the steps until then at most (None: no bound)
-    counted: bool = False  # its tier's loads cannot yield: counted from its submission until it ends
 
     @property
     def key(self) -> tuple[bytes, int]:
@@ -149,7 +147,7 @@ class TransferQueue:
         yields = self._yields(found)
         # A load that cannot yield does not pace (its bound is already past): sleeping would only lengthen it.
         load = ChunkLoad(found, skip, tuple(block_ids), high, Future(), {waiter},
-                         pace_until if yields else float("-inf"), counted=not yields)
+                         pace_until if yields else float("-inf"))
         load.future = self._pool.submit(self._run, load)
         if not yields:
             # Counted from now, not from when a worker takes it: a step starting at every thread while it
@@ -226,8 +224,7 @@ class TransferQueue:
     def _run(self, load: ChunkLoad) -> Tier | None:
         t0 = time.perf_counter()
         BACKGROUND_WORK.pace_until(load.pace_until)
-        with BACKGROUND_WORK.counted_thread() if load.counted else nullcontext():
-            tier = self._load(load.found, load.skip, load.block_ids)
+        tier = self._load(load.found, load.skip, load.block_ids)
         if tier is not None:
             self.stats.observe(load.found.tier, "load", time.perf_counter() - t0,
                                len(load.block_ids) * self._bytes_per_page)
