@@ -247,7 +247,6 @@ async def _measure(socket: Path, w: StallWorkload, name: str, warm: list[int], p
         tasks = [asyncio.create_task(_stream_loop(socket, stories[i::w.streams], w.stream_reply_tokens,
                                                        w.stream_priority, log))
                  for i in range(w.streams)]
-        t_start = time.perf_counter()
         await asyncio.sleep(w.head_start_s)
         ttft_warm, _ = await _completion(client, warm)
         if before_load is not None:

@@ -505,8 +505,8 @@ def bench_stall(
                  "TTFT load", "TTFT hit", "TTFT recompute"], rows)
     t = f["targets"]
     typer.echo("TTFT each (load / recompute): " + "; ".join(
-        f"{r['scenario']} (warm-up load {r['ttft_warm_load_ms']:,.0f}) " + ", ".join(f"{a:,.0f}/{b:,.0f}" for a, b in zip(r["ttft_load_all_ms"],
-                                                                         r["ttft_recompute_all_ms"]))
+        f"{r['scenario']} (warm-up load {r['ttft_warm_load_ms']:,.0f}) "
+        + ", ".join(f"{a:,.0f}/{b:,.0f}" for a, b in zip(r["ttft_load_all_ms"], r["ttft_recompute_all_ms"]))
         for r in f["scenarios"]))
     typer.echo(f"window: the load request's TTFT; without: the same length right before it; x: the streams' ITL p99 "
                f"in the window over without; hit: the same prompt sent again, its pages on the device (the long "

@@ -21,7 +21,7 @@ tenant's queue, holding no pages (the loaded ones are cached), and is admitted
 with them as its cached prefix, recomputing what did not arrive (or was
 evicted meanwhile). While others decode, the rest of its prompt (the new
 message past a restored history) goes in pieces that keep their step within
-RESTORED_STEP_SHARE of its cost, when RESTORED_MAX_PIECES of them suffice:
+RESTORED_STEP_SHARE over their decodes' cost, when RESTORED_MAX_PIECES of them suffice:
 in one piece, each of its tokens attends over the whole loaded context, and
 the streams' step ran 3-5x its time.
 
@@ -286,8 +286,8 @@ class Scheduler:
         return n
 
     def _num_new_tokens(self, req: Request, plan: StepPlan, room: _StepRoom) -> int:
-        """Its pending tokens, within the token budget, in pieces for a restored prompt's rest while others
-        decode, and, for a class below the top one, within the time limit."""
+        """Its pending tokens, within the token budget, in pieces beside the decodes planned (`_beside_decodes`),
+        and, for a class below the top one, within the time limit."""
         n = min(req.num_pending_tokens, room.tokens)
         if n > 1 and plan.decodes:
             n = self._beside_decodes(req, plan, n)

@@ -86,7 +86,7 @@ class BackgroundWork:
         self._paced = threading.local()  # on a paced task's thread: `.cpu_mark`, its CPU time at its last pace
         self._paced_turn = threading.Lock()  # paced tasks run one at a time while an engine computes
         self._idle_since = float("-inf")  # monotonic time the engines last went idle
-        self._counted = threading.local()  # `.store` on a thread running a counted store's task
+        self._task = threading.local()  # `.store` True on a thread running a counted store's task
         self._waits: dict[int, float] = {}  # thread id -> monotonic start of its wait on a store (counted tasks)
         self._hurried_at = float("-inf")  # deferred tasks submitted before this monotonic time start now
 
@@ -183,7 +183,7 @@ class BackgroundWork:
     def waiting(self) -> Iterator[None]:
         """Around a store task's wait on its store: it stops counting once it has waited COUNTED_WAIT_S, until the
         wait ends. Elsewhere (an uncounted task, the step thread) it does nothing."""
-        if not getattr(self._counted, "store", False):
+        if not getattr(self._task, "store", False):
             yield
             return
         me = threading.get_ident()
@@ -220,11 +220,11 @@ class BackgroundWork:
     @contextmanager
     def _store_thread(self) -> Iterator[None]:
         """Marks what runs inside it as a counted store's work, for `waiting`."""
-        self._counted.store = True
+        self._task.store = True
         try:
             yield
         finally:
-            self._counted.store = False
+            self._task.store = False
 
     def _start_deferred(self, submitted: float, deadline: float, shut: Callable[[], bool]) -> None:
         """Waits until the engines have been idle for IDLE_SPELL_S, the monotonic `deadline`, `shut()` or a
@@ -254,14 +254,14 @@ class _CountedPool(ThreadPoolExecutor):
     def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
         self._work._add(1)
         try:
-            future = super().submit(self._counted, fn, args, kwargs)
+            future = super().submit(self._as_store, fn, args, kwargs)
         except BaseException:  # shut down: nothing was queued
             self._work._add(-1)
             raise
         future.add_done_callback(lambda _: self._work._add(-1))  # run on cancellation too
         return future
 
-    def _counted(self, fn: Callable, args: tuple, kwargs: dict) -> object:
+    def _as_store(self, fn: Callable, args: tuple, kwargs: dict) -> object:
         with self._work._store_thread():
             return fn(*args, **kwargs)
 
