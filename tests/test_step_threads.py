@@ -46,12 +46,13 @@ def test_a_step_leaves_one_thread_to_pending_background_work():
         pending[0] = True
         assert threads.before_step() == 3 and torch.get_num_threads() == 3
         # A long step (a prefill chunk) keeps every thread beside stores: a burst costs it less than a thread...
-        assert threads.before_step(predicted_s=LONG_STEP_S) == 4 and torch.get_num_threads() == 4
-        assert threads.before_step(predicted_s=LONG_STEP_S / 2) == 3
+        assert threads.before_step(lambda: LONG_STEP_S) == 4 and torch.get_num_threads() == 4
+        assert threads.before_step(lambda: LONG_STEP_S / 2) == 3
         awaited[0] = True  # ... but not beside work a request waits for (a fleet load)
-        assert threads.before_step(predicted_s=LONG_STEP_S) == 3
+        assert threads.before_step(lambda: LONG_STEP_S) == 3
         pending[0] = awaited[0] = False
         assert threads.before_step() == 4 and torch.get_num_threads() == 4
+        assert threads.before_step(lambda: 1 / 0) == 4  # nothing pending: no prediction asked (it refits)
         assert StepThreads(lambda: True, lambda: True, num_threads=1).before_step() == 1  # never below one
     finally:
         torch.set_num_threads(before)

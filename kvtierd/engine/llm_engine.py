@@ -305,7 +305,7 @@ class LLMEngine:
             if self.scheduler.loading:  # nothing to compute until a load arrives: wait for one, not spin
                 self.kv.wait_for_loads()
             return rejected
-        threads = self.step_threads.before_step(self.step_cost.current.seconds(plan.shape))
+        threads = self.step_threads.before_step(lambda: self.step_cost.current.seconds(plan.shape))
         t1 = time.perf_counter()
         sample_idx, logits = self.runner.execute(plan)
         t2 = time.perf_counter()

@@ -50,9 +50,10 @@ class StepThreads:
         self.num_threads = num_threads or COMPUTE_THREADS
         self._busy, self._awaited = busy, awaited
 
-    def before_step(self, predicted_s: float = 0.0) -> int:
-        """Sets and returns the thread count for the step about to run, predicted to take `predicted_s`."""
-        leave_one = self.num_threads > 1 and (self._awaited() or predicted_s < LONG_STEP_S and self._busy())
+    def before_step(self, predicted_s: Callable[[], float] = lambda: 0.0) -> int:
+        """Sets and returns the thread count for the step about to run; `predicted_s()`, what it will take, is
+        asked only when stores alone are pending (a prediction refits the step-cost model)."""
+        leave_one = self.num_threads > 1 and (self._awaited() or self._busy() and predicted_s() < LONG_STEP_S)
         n = self.num_threads - 1 if leave_one else self.num_threads
         if torch.get_num_threads() != n:
             torch.set_num_threads(n)
