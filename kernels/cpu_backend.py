@@ -37,7 +37,9 @@ def kernel_plan(batch: PagedBatch) -> PagedBatch:
 
 def kernel_attention(decode: CpuDecodeKernel, prefill: CpuPrefillKernel):
     """`paged_attention(batch, q, k_cache, v_cache, scale)` with the decodes on `decode` and each prefill
-    sequence on `prefill` (bfloat16 q and cache)."""
+    sequence on `prefill` (bfloat16 q and cache), but for one of a single token (the last of a prompt found
+    whole in the cache), which is a decode: the decode kernel splits its context between the threads, where
+    the prefill kernel's items are (KV head, block of queries): 3 for one token, on 2 threads."""
 
     def paged_attention(batch: PagedBatch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         scale: float) -> torch.Tensor:
@@ -46,8 +48,12 @@ def kernel_attention(decode: CpuDecodeKernel, prefill: CpuPrefillKernel):
         start = batch.num_decodes  # decodes hold exactly one token each
         for i in range(batch.num_decodes, batch.num_seqs):
             rows = slice(start, start + batch.query_lens_host[i])
-            prefill.attend(out[rows], q[rows], k_cache, v_cache, batch.block_tables[i], batch.context_lens_host[i],
-                           scale)
+            if batch.query_lens_host[i] == 1:  # a cached prompt's last token: a decode, split over the threads
+                decode.decode(out[rows], q[rows], k_cache, v_cache, batch.block_tables[i : i + 1],
+                              batch.context_lens[i : i + 1], batch.context_lens_host[i : i + 1], scale)
+            else:
+                prefill.attend(out[rows], q[rows], k_cache, v_cache, batch.block_tables[i],
+                               batch.context_lens_host[i], scale)
             start = rows.stop
         assert start == q.shape[0], "query_start_loc disagrees with q"
         return out

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvtierd.cache.block_hash import BlockHash
 from kvtierd.cache.eviction import EvictionPolicy, IdlePage
@@ -105,7 +105,7 @@ class ShareEviction(EvictionPolicy):
         sub = self._by_root.get(page.root)
         if sub is None:
             sub = self._by_root[page.root] = self._make_policy()
-        sub.add(replace(page))  # its own copy: a remap renames each policy's pages once
+        sub.add(page.copy())
 
     def _removed(self, page: IdlePage) -> None:
         sub = self._by_root[page.root]

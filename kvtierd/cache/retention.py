@@ -20,7 +20,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from kvtierd.cache.eviction import EvictionPolicy, IdlePage, make_policy
 from kvtierd.cache.page_remap import PageRemap
@@ -70,7 +70,7 @@ class RetainingPolicy(EvictionPolicy):
 
     def _added(self, page: IdlePage) -> None:
         held = page.retained
-        page = replace(page)  # its own copy: a remap renames each policy's pages once
+        page = page.copy()
         if held is None or held.until <= self._clock():
             self._ordinary.add(page)
             return
