@@ -9,7 +9,6 @@ from __future__ import annotations
 import torch
 
 from kvtierd.storage.geometry import KVGeometry
-from kvtierd.storage.huge_pages import zeroed_host_tensor
 
 
 # Staging a page copy may take: every layer at once for a few pages, a layer at a time for a compaction's many.
@@ -25,9 +24,7 @@ class DeviceKVPool:
         self.device = device
         # Zero-filled so a page never exposes an earlier tenant's bytes. One tensor [layers, 2 (K, V), *shape],
         # seen per layer: a load writes a run of pages in every layer with one copy (`tiers/page_copy.py`).
-        # On a CPU, on huge pages: attention reads pages in page-table order, anywhere in the pool.
-        self.kv = zeroed_host_tensor((g.num_layers, 2, *shape), g.dtype) if device.type == "cpu" else \
-            torch.zeros((g.num_layers, 2, *shape), dtype=g.dtype, device=device)
+        self.kv = torch.zeros((g.num_layers, 2, *shape), dtype=g.dtype, device=device)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [(layer[0], layer[1]) for layer in self.kv]
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

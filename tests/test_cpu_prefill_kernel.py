@@ -89,7 +89,8 @@ def test_the_backend_attends_a_mixed_step_as_the_torch_reference(kernel64):
     gen = torch.Generator().manual_seed(3)
     k_cache = torch.randn(600, BLOCK, 3, 64, generator=gen).bfloat16()
     v_cache = torch.randn(600, BLOCK, 3, 64, generator=gen).bfloat16()
-    context_lens, query_lens = [40, 1000, 130, 64, 900], [1, 1, 30, 64, 16]
+    # the fourth prefill is a cached prompt's last token, which the backend hands to the decode kernel
+    context_lens, query_lens = [40, 1000, 130, 64, 900, 2600], [1, 1, 30, 64, 16, 1]
     batch, _ = scattered_batch(context_lens, query_lens, 2, BLOCK, 600, gen)
     q = torch.randn(sum(query_lens), 9, 64, generator=gen).bfloat16()
     backend = select_backend(torch.device("cpu"), torch.bfloat16, torch.bfloat16, 64)

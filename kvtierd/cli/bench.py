@@ -289,6 +289,38 @@ def bench_kernels(
     write_json(json_path, {"machine": m, **figures})
 
 
+@bench_app.command("cpu-attention")
+def bench_cpu_attention(
+    contexts: Annotated[str, typer.Option(help="Context lengths.")] = "512,2560,8192",
+    batches: Annotated[str, typer.Option(help="Decode batch sizes.")] = "1,4",
+    threads: ThreadsOpt = 0,
+    json_path: JsonOpt = None,
+) -> None:
+    """Decode attention on the CPU over the bundled model's 30 layers of scattered pages: the C decode kernel
+    beside the prefill kernel (one token) and the torch reference."""
+    import torch
+
+    from kvtierd.bench.cpu_attention_bench import run_cpu_attention_bench
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        f = run_cpu_attention_bench(tuple(_ints(contexts)), tuple(_ints(batches)))
+    except RuntimeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    m = machine()
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} ({f['threads']} threads), {m['date']}")
+    print_table(
+        f"decode attention over {f['num_layers']} layers ({f['num_heads']} heads, {f['num_kv_heads']} KV heads of "
+        f"{f['head_dim']}, bfloat16; ms a step; read bandwidth {f['read_gbps']:.1f} GB/s)",
+        ["ctx", "batch", "KV MB", "decode kernel", "GB/s", "1-token prefill kernel", "reference"],
+        [[r["context_len"], r["batch_size"], r["kv_mb"], r["decode_ms"], r["decode_gbps"],
+          "-" if r["prefill_kernel_ms"] is None else r["prefill_kernel_ms"], r["reference_ms"]] for r in f["rows"]],
+    )
+    write_json(json_path, {"machine": m, **f})
+
+
 @bench_app.command("fleet")
 def bench_fleet(
     redis_url: Annotated[Optional[str], typer.Option(help="A Redis/Valkey to use; default: start one on loopback.")] = None,

@@ -1,0 +1,109 @@
+"""`kvtierd bench cpu-attention`: decode attention on the CPU, over a model's layers of paged KV.
+
+A decode step's attention reads each sequence's cached K and V once per layer,
+from pages anywhere in the pool, so on a CPU its speed is the memory's. One
+row per (context, batch): the C decode kernel (`kernels/cpu_decode.py`) over
+every layer's pool, each layer its own pool as in a step (nothing left in
+cache from the layer before), with the pools on 4 KiB pages and on huge pages
+(`storage/huge_pages.py`, what the device pool uses); beside it, the same
+attention through the C prefill kernel (a cached prompt's last token took that
+path before it went through the decode kernel) and the torch reference
+(gather + SDPA), and the machine's read bandwidth. GB/s are of KV bytes read.
+Each configuration is checked against the reference before it is timed.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from kvtierd.kernels import reference
+from kvtierd.kernels.cpu_decode import cpu_decode_kernel
+from kvtierd.kernels.cpu_prefill import cpu_prefill_kernel
+from kvtierd.kernels.paged_batch import PagedBatch
+
+TOLERANCE = 2e-2  # bfloat16 outputs: the reference rounds its scores in bfloat16 too
+POOL_SHARE = 4  # a layer's pool holds this many times the pages read: they lie scattered in it
+
+
+@dataclass(frozen=True, slots=True)
+class CpuAttentionRow:
+    context_len: int
+    batch_size: int
+    kv_mb: float  # KV bytes a step's attention reads over all layers
+    decode_ms: float  # the decode kernel
+    decode_gbps: float
+    prefill_kernel_ms: float | None  # batch 1: the token as a one-token prefill (None: no such kernel here)
+    reference_ms: float  # the torch reference
+
+
+def read_bandwidth_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Bytes a sum over a large tensor reads per second, at torch's threads."""
+    x = torch.ones(nbytes // 8, dtype=torch.int64)
+    x.sum()
+    return nbytes / min(_seconds(lambda: x.sum()) for _ in range(repeats)) / 1e9
+
+
+def run_cpu_attention_bench(contexts: tuple[int, ...] = (512, 2560, 8192), batches: tuple[int, ...] = (1, 4),
+                            num_layers: int = 30, num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
+                            block_size: int = 16, repeats: int = 7) -> dict:
+    """The bundled model's geometry by default (SmolLM2-135M: 30 layers, 9 heads over 3 KV heads of 64)."""
+    decode, prefill = cpu_decode_kernel(head_dim), cpu_prefill_kernel(head_dim)
+    if decode is None:
+        raise RuntimeError("the CPU decode kernel could not be built here (a C compiler is needed)")
+    rows = []
+    for context_len in contexts:
+        for batch_size in batches:
+            rows.append(_row(decode, prefill, context_len, batch_size, num_layers, num_heads, num_kv_heads, head_dim,
+                             block_size, repeats))
+    return {"num_layers": num_layers, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
+            "block_size": block_size, "threads": torch.get_num_threads(), "read_gbps": read_bandwidth_gbps(),
+            "rows": [asdict(r) for r in rows]}
+
+
+def _row(decode, prefill, context_len, batch_size, num_layers, num_heads, num_kv_heads, head_dim, block_size,
+         repeats) -> CpuAttentionRow:
+    gen = torch.Generator().manual_seed(context_len + batch_size)
+    per_seq = -(-context_len // block_size)
+    num_pages = POOL_SHARE * per_seq * batch_size
+    tables = torch.randperm(num_pages, generator=gen)[: per_seq * batch_size].view(batch_size, per_seq).tolist()
+    slots = [t[(context_len - 1) // block_size] * block_size + (context_len - 1) % block_size for t in tables]
+    batch = PagedBatch.build(block_size, batch_size, [1] * batch_size, [context_len] * batch_size, tables, slots,
+                             torch.device("cpu"))
+    shape = (num_pages, block_size, num_kv_heads, head_dim)
+    pools = [torch.randn((2, *shape), generator=gen).bfloat16() for _ in range(num_layers)]
+    q = torch.randn(batch_size, num_heads, head_dim, generator=gen).bfloat16()
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    plan = reference.ReferencePlan.build(batch)
+    expected = reference.paged_attention(plan, q, pools[0][0], pools[0][1], scale)
+    decode.decode(out, q, pools[0][0], pools[0][1], batch.block_tables, batch.context_lens, batch.context_lens_host,
+                  scale)
+    error = (out.float() - expected.float()).abs().max().item()
+    if error > TOLERANCE:
+        raise RuntimeError(f"the decode kernel disagrees with the reference by {error:.2e} at ctx {context_len}")
+
+    def over_layers(attend: Callable[[torch.Tensor, torch.Tensor], object]) -> float:
+        return statistics.median(_seconds(lambda: [attend(kv[0], kv[1]) for kv in pools]) for _ in range(repeats))
+
+    def kernel(k, v):
+        decode.decode(out, q, k, v, batch.block_tables, batch.context_lens, batch.context_lens_host, scale)
+
+    decode_s = over_layers(kernel)
+    prefill_s = None
+    if prefill is not None and batch_size == 1:
+        prefill_s = over_layers(lambda k, v: prefill.attend(out, q, k, v, batch.block_tables[0], context_len, scale))
+    reference_s = over_layers(lambda k, v: reference.paged_attention(plan, q, k, v, scale))
+    kv_bytes = 2 * num_layers * batch_size * context_len * num_kv_heads * head_dim * 2
+    return CpuAttentionRow(context_len, batch_size, kv_bytes / 1e6, decode_s * 1e3, kv_bytes / decode_s / 1e9,
+                           None if prefill_s is None else prefill_s * 1e3, reference_s * 1e3)
+
+
+def _seconds(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
