@@ -24,7 +24,10 @@ held: the request queues holding none, and its admission adopts them from the
 prefix index like any cached page (what was evicted meanwhile is recomputed),
 and computes the rest.
 
-A load's deadline is the planner's estimate of recomputing what it loads:
+A load's deadline is the planner's estimate of recomputing what it loads,
+from when the loads start (what the lookup took is spent either way; counted
+from the lookup, a lookup slowed by a busy machine left a fleet load no time,
+and the request recomputed what had been found):
 past it the request stops waiting and recomputes what has not arrived (the
 late loads are abandoned; their pages come back when their copy ends). A
 lookup's answer is waited for a share of the estimate of recomputing the
@@ -70,7 +73,7 @@ class LoadTicket:
     high: bool
     deadline: float | None  # monotonic; None: the planner has no estimate (the stores' timeouts bound it)
     epoch: int  # the cache's invalidation count when it began
-    started: float = 0.0  # monotonic: when the request began waiting (its deadline counts from there)
+    started: float = 0.0  # monotonic: when its lookup, then its loads, began (its deadline counts from there)
     lookup: Future | None = None  # the lower tiers' lookup, until its answer started the loads
     unstarted: list[FoundChunk] = field(default_factory=list)  # planned, no pages for the first yet: it waits
     tokens_by_tier: dict[str, int] = field(default_factory=dict)  # filled by finish: tokens loaded, by tier
@@ -165,8 +168,9 @@ class Loading:
 
     def _start_loads(self, seq_id: str, t: LoadTicket, below: list[FoundChunk]) -> None:
         """Plans the found chunks and submits the loads the plan keeps, as pages allow; the deadline is the
-        planner's estimate of recomputing them, from when the request began waiting."""
+        planner's estimate of recomputing them, from now."""
         t.plan = self._tiers.planner.plan(self._costs(len(t.device_blocks), below))
+        t.started = self._clock()
         t.deadline = None if t.plan.recompute_s is None else t.started + t.plan.recompute_s
         t.unstarted = below[: t.plan.num_chunks]
         self._submit_loads(seq_id, t)
@@ -203,10 +207,6 @@ class Loading:
             found, t.lookup = _found(t.lookup), None
             if found:
                 self._start_loads(seq_id, t, found)
-                if t.loads:
-                    # Loads started on an answer seen only now have until the next call, past the deadline or
-                    # not: the answer may have waited for a step to end, and a host or disk load takes less.
-                    return all(load.done for load in t.loads)
         elif t.unstarted:  # waiting for pages: those freed since the last call are its first
             self._submit_loads(seq_id, t)
         if t.deadline is not None and self._clock() > t.deadline:
