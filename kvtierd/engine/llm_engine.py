@@ -293,6 +293,7 @@ class LLMEngine:
                                        pool.num_high_blocks)
 
     def _step(self) -> list[RequestOutput]:
+        BACKGROUND_WORK.give_way()  # paced loads' turn: before the step's clock starts, not part of its cost
         t0 = time.perf_counter()
         self.kv.expire()  # bounded; a lookup also refuses an expired page by itself
         plan = self.scheduler.schedule()
@@ -307,7 +308,8 @@ class LLMEngine:
             return rejected
         threads = self.step_threads.before_step(lambda: self.step_cost.current.seconds(plan.shape))
         t1 = time.perf_counter()
-        sample_idx, logits = self.runner.execute(plan)
+        with BACKGROUND_WORK.step():  # alone: paced loads wait at their next slice
+            sample_idx, logits = self.runner.execute(plan)
         t2 = time.perf_counter()
         outputs = rejected + self._advance(plan, sample_idx, logits)
         t3 = time.perf_counter()
