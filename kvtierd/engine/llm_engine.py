@@ -308,10 +308,10 @@ class LLMEngine:
             return rejected
         threads = self.step_threads.before_step(lambda: self.step_cost.current.seconds(plan.shape))
         t1 = time.perf_counter()
-        with BACKGROUND_WORK.step():  # alone: paced loads wait at their next slice
+        with BACKGROUND_WORK.step():  # alone: paced loads wait at their next slice (in Python, they take the GIL)
             sample_idx, logits = self.runner.execute(plan)
-        t2 = time.perf_counter()
-        outputs = rejected + self._advance(plan, sample_idx, logits)
+            t2 = time.perf_counter()
+            outputs = rejected + self._advance(plan, sample_idx, logits)
         t3 = time.perf_counter()
         self.step_cost.observe(plan.shape, t3 - t0)
         self.last_step = StepStats(plan.num_tokens, len(plan.scheduled), t2 - t1, t3 - t0, threads)
