@@ -1,7 +1,6 @@
 """Paced loads: uncounted (a step keeps every thread), one at a time while an engine computes for running
-requests, waiting at their next slice while a step computes, and at full speed, side by side, for an engine
-that computes nothing else. Events, not clocks: what is checked is which task runs when, never how long
-anything took."""
+requests, sleeping between slices of their work, and at full speed, side by side, for an engine that computes
+nothing else. Events, not clocks: what is checked is which task runs when, never how long anything took."""
 
 import threading
 import time
@@ -79,68 +78,28 @@ def test_paced_tasks_run_one_at_a_time_while_an_engine_computes_and_side_by_side
         pool.shutdown(wait=True)
 
 
-def test_a_paced_task_waits_at_its_next_slice_while_a_step_computes():
-    """`pace` between slices: it waits while a step computes for running requests, goes on when the step ends,
-    and does not wait between steps or for an engine with nothing running."""
+def test_a_paced_task_sleeps_between_slices_until_the_engine_stops_computing():
+    """A slice of CPU time, then `pace`: it waits (its share of a core is spent) while the engine computes, and
+    goes on as soon as the engine has nothing running."""
     work = BackgroundWork()
     pool = work.pool(1, "test-paced", paced=True)
-    sliced, paced, step_ended = threading.Event(), threading.Event(), threading.Event()
-    steps = []
+    sliced, paced = threading.Event(), threading.Event()
 
     def load() -> None:
+        burn_cpu(0.5)  # its sleep would be longer than the test waits below
         sliced.set()
         work.pace()
-        steps.append(step_ended.is_set())
         paced.set()
-        work.pace()  # between steps: on at once
 
     try:
         work.engine_computes(True)
-        with work.step():
-            task = pool.submit(load)
-            assert sliced.wait(60)
-            assert not paced.wait(0.2)  # the step computes alone
-            step_ended.set()
-        task.result(timeout=30)
-        assert steps == [True]
-    finally:
-        work.engine_computes(False)
-    try:
-        with work.step():  # an engine with nothing running (a lone restore): loads go at full speed
-            pool.submit(work.pace).result(timeout=30)
-    finally:
-        pool.shutdown(wait=True)
-
-
-def test_an_engine_gives_way_before_a_step_only_while_paced_tasks_are_under_way(monkeypatch):
-    """`give_way` sleeps the loads' turn, and only then: with none under way, or no engine computing, a step
-    starts at once."""
-    slept = []
-    monkeypatch.setattr(background_work.time, "sleep", slept.append)
-    work = BackgroundWork()
-    pool = work.pool(1, "test-paced", paced=True)
-    inside, go = threading.Event(), threading.Event()
-
-    def load() -> None:
-        inside.set()
-        go.wait(30)
-
-    try:
-        work.engine_computes(True)
-        work.give_way()
-        assert slept == []  # no load under way
         task = pool.submit(load)
-        assert inside.wait(30)
-        work.give_way()
-        assert slept == [background_work.PACED_GAP_S]
-    finally:
+        assert sliced.wait(60)
+        assert not paced.wait(0.2)  # yielding to the steps
         work.engine_computes(False)
-    try:
-        work.give_way()
-        assert slept == [background_work.PACED_GAP_S]  # nothing running: no turns to take
-    finally:
-        go.set()
         task.result(timeout=30)
+        assert paced.is_set()
+    finally:
         pool.shutdown(wait=True)
 
 
@@ -163,19 +122,20 @@ def test_pace_does_nothing_outside_a_paced_task():
         thread.join()
 
 
-def test_a_paced_task_stops_yielding_at_its_bound():
+def test_a_paced_task_stops_yielding_at_its_bound(monkeypatch):
     """Past its `pace_until` (a share of its request's deadline), a load goes at full speed."""
+    monkeypatch.setattr(background_work, "PACED_SHARE", 1e-9)  # a slice's sleep would outlast the test
     work = BackgroundWork()
     pool = work.pool(1, "test-paced", paced=True)
 
     def load() -> None:
         work.pace_until(time.monotonic() - 1.0)  # already past
+        burn_cpu(0.1)
         work.pace()
 
     try:
         work.engine_computes(True)
-        with work.step():
-            pool.submit(load).result(timeout=60)  # the step still computes: it did not wait for it to end
+        pool.submit(load).result(timeout=60)  # the engine still computes: it did not wait for it to stop
     finally:
         work.engine_computes(False)
         pool.shutdown(wait=True)
@@ -203,9 +163,10 @@ def test_a_paced_task_works_in_slices_only_while_it_would_yield():
         pool.shutdown(wait=True)
 
 
-def test_a_load_whose_tier_cannot_yield_counts_and_does_not_pace():
+def test_a_load_whose_tier_cannot_yield_counts_and_does_not_pace(monkeypatch):
     """A fleet value's load (its GET, HMAC and decode in one piece) takes the core the steps leave to counted
-    work, instead of waiting for the steps: through the transfer queue, as the tier manager submits it."""
+    work, instead of sleeping after it: through the transfer queue, as the tier manager submits it."""
+    monkeypatch.setattr(background_work, "PACED_SHARE", 1e-9)  # were it paced, it would sleep past the test
     seen: list[bool] = []
 
     def load(found, skip, block_ids):
@@ -218,9 +179,8 @@ def test_a_load_whose_tier_cannot_yield_counts_and_does_not_pace():
     BACKGROUND_WORK.engine_computes(True)
     try:
         chunk = FoundChunk(Tier.REMOTE, ChunkSpan(b"ns", 0, (b"h",), (1,)))
-        with BACKGROUND_WORK.step():  # were it paced, it would wait for this step to end
-            done = queue.submit("r1", chunk, 0, [0], False, pace_until=None)
-            assert done.future.result(timeout=60) is Tier.REMOTE
+        done = queue.submit("r1", chunk, 0, [0], False, pace_until=None)
+        assert done.future.result(timeout=60) is Tier.REMOTE
         assert seen == [True]
         wait_until(lambda: not BACKGROUND_WORK.busy)
     finally:

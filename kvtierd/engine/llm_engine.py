@@ -293,7 +293,6 @@ class LLMEngine:
                                        pool.num_high_blocks)
 
     def _step(self) -> list[RequestOutput]:
-        BACKGROUND_WORK.give_way()  # paced loads' turn: before the step's clock starts, not part of its cost
         t0 = time.perf_counter()
         self.kv.expire()  # bounded; a lookup also refuses an expired page by itself
         plan = self.scheduler.schedule()
@@ -308,10 +307,9 @@ class LLMEngine:
             return rejected
         threads = self.step_threads.before_step(lambda: self.step_cost.current.seconds(plan.shape))
         t1 = time.perf_counter()
-        with BACKGROUND_WORK.step():  # alone: paced loads wait at their next slice (in Python, they take the GIL)
-            sample_idx, logits = self.runner.execute(plan)
-            t2 = time.perf_counter()
-            outputs = rejected + self._advance(plan, sample_idx, logits)
+        sample_idx, logits = self.runner.execute(plan)
+        t2 = time.perf_counter()
+        outputs = rejected + self._advance(plan, sample_idx, logits)
         t3 = time.perf_counter()
         self.step_cost.observe(plan.shape, t3 - t0)
         self.last_step = StepStats(plan.num_tokens, len(plan.scheduled), t2 - t1, t3 - t0, threads)

@@ -22,22 +22,17 @@ the waiting tasks start at once. Loads and prefetches never wait: a request
 waits for them.
 
 Loads are paced instead (`pool(..., paced=True)`): they do not count, so a
-step keeps every thread, and while an engine computes for running requests
-they take turns with its steps rather than run beside them. A step computes
-alone: a paced load waits at its next slice (`pace`, called between a chunk's
-layers) until the step ends; before each step, the engine leaves the loads
-PACED_GAP_S (`give_way`), so the loads move while the steps' threads
-sleep. The loads run one at a time meanwhile (a chunk each turn). Counted, a
-load made the steps run at one thread for its 100-200 ms, and two loads side
-by side took both cores: the streams' steps ran 1.5-4x their time; paced
-beside the steps (a share of a core, sleeping between slices), their steps
-still ran 1.5-2x, as a step thread that loses its core for a slice stalls the
-step's parallel region (`kvtierd bench stall`, 2 cores). Taking turns, a
-step is as long as alone and the next one starts PACED_GAP_S later. A load
-whose work cannot yield (a fleet value's GET, HMAC and decode, in one piece)
-is counted instead, from its submission (`count_until_done`), and does not
-pace; still one at a time. For an engine that computes nothing else (a lone
-restore) loads run at full speed, side by side.
+step keeps every thread. While an engine computes for running requests, the
+loads run one at a time (a chunk each turn), and each sleeps between slices
+of its work (`pace`, called between a chunk's layers) so that together they
+take about PACED_SHARE of one core. Counted, a load made the steps run at one
+thread for its 100-200 ms, and two loads side by side took both cores: the
+streams' steps ran 1.5-4x their time (`kvtierd bench stall`, 2 cores). Paced,
+a load takes longer and only its own request waits for it. A load whose
+work cannot yield (a fleet value's GET, HMAC and decode, in one piece) is
+counted instead, from its submission (`count_until_done`), and does not
+pace; still one at a time. For an engine that computes nothing
+else (a lone restore) loads run at full speed, side by side.
 
 Work a request waits for (a fleet load, a prefetch's copy) is `awaited`:
 a step always leaves it a core. Stores are not: a step the engine predicts
@@ -61,9 +56,12 @@ import torch
 # gap between one request's end and the next one's steps (a chat's next turn sent on the reply, a busy
 # daemon's next request) is shorter than this; an idle spell worth the name is longer.
 IDLE_SPELL_S = 0.1
-# What an engine computing for running requests leaves paced loads before each step, its threads asleep: against
-# a decode step of 10-30 ms, a share the streams hardly feel (`bench stall`: the loaded request's TTFT pays for it).
-PACED_GAP_S = 0.004
+# The share of one core paced loads take together while an engine computes for running requests. Measured with
+# `bench stall` (Zen 5, 2 cores; the streams' ITL p99 during a disk load over without it): 0.35 gave 1.46x at a
+# TTFT of 648 ms, 0.5 gave 2.43x (667 ms); counted loads, 3.39x (548 ms). Once a whole-page prompt's hit computed
+# its last token alone, 0.35 and 0.2 alternated three times each: 1.31-1.63x (TTFT 244-288 ms) and 1.16-2.37x
+# (302-439 ms): no better for the streams, slower for the load.
+PACED_SHARE = 0.35
 # A store's wait on its store counts this long, then no more until it ends: a SET or a put on this host takes a
 # few ms of the store's own CPU, and one through a slow network holds no core.
 COUNTED_WAIT_S = 0.02
@@ -84,9 +82,8 @@ class BackgroundWork:
         self._deferred = 0  # tasks waiting for the engines' idle spells
         self._engines_with_steps = 0
         self._engines_computing = 0  # engines with running requests: paced tasks slow down for them
-        self._stepping = 0  # engines computing a step now: paced tasks wait at their next slice
-        self._paced_running = 0  # paced tasks under way
-        self._paced = threading.local()  # on a paced task's thread: `.active` True, `.until` its bound
+        self._paced_until = float("-inf")  # monotonic: paced tasks sleep until then after their last slice
+        self._paced = threading.local()  # on a paced task's thread: `.cpu_mark`, its CPU time at its last pace
         self._paced_turn = threading.Lock()  # paced tasks run one at a time while an engine computes
         self._idle_since = float("-inf")  # monotonic time the engines last went idle
         self._task = threading.local()  # `.store` True on a thread running a counted store's task
@@ -132,44 +129,32 @@ class BackgroundWork:
                 self._gate.notify_all()
 
     def pace_until(self, until: float | None) -> None:
-        """The paced task on this thread waits for steps no more once monotonic `until` has passed (None: no
-        bound): a load must arrive well within its deadline, or its request recomputes."""
+        """The paced task on this thread sleeps no more once monotonic `until` has passed (None: no bound): a
+        load must arrive well within its deadline, or its request recomputes."""
         self._paced.until = until
 
-    def give_way(self) -> None:
-        """Called by an engine before each step: while paced tasks are under way and an engine computes for
-        running requests, sleeps PACED_GAP_S, the loads' turn."""
-        if self._paced_running and self._engines_computing:
-            time.sleep(PACED_GAP_S)
-
-    @contextmanager
-    def step(self) -> Iterator[None]:
-        """Around an engine's step computing: paced tasks wait at their next slice until it ends."""
-        with self._lock:
-            self._stepping += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._stepping -= 1
-                if not self._stepping:
-                    self._gate.notify_all()
-
     def pace(self) -> None:
-        """Called by a paced task between slices of its work: while an engine computes for running requests and
-        a step runs, waits for the step to end, up to its `pace_until`. Anywhere else (the step thread, a tool)
-        it does nothing."""
-        if not getattr(self._paced, "active", False):
+        """Called by a paced task between slices of its work: while an engine computes, sleeps so that paced
+        tasks together use about PACED_SHARE of a core (the CPU time of its slice, times what that leaves to
+        the steps), up to its `pace_until`. Anywhere else (the step thread, a tool) it does nothing."""
+        mark = getattr(self._paced, "cpu_mark", None)
+        if mark is None:
             return
+        used = time.thread_time() - mark
         until = self._paced.until
         with self._lock:
-            while self._stepping and self._yields(until, now := time.monotonic()):
-                self._gate.wait(None if until is None else until - now)
+            now = time.monotonic()
+            if self._yields(until, now):
+                self._paced_until = max(self._paced_until, now) + used * (1 / PACED_SHARE - 1)
+                wake = self._paced_until if until is None else min(self._paced_until, until)
+                while self._engines_computing and (now := time.monotonic()) < wake:
+                    self._gate.wait(wake - now)
+        self._paced.cpu_mark = time.thread_time()
 
     def pacing(self) -> bool:
         """Whether the paced task on this thread yields now (`pace` would sleep): its work goes in slices then,
         and in one piece otherwise."""
-        if not getattr(self._paced, "active", False):
+        if getattr(self._paced, "cpu_mark", None) is None:
             return False
         return self._yields(self._paced.until, time.monotonic())
 
@@ -232,10 +217,6 @@ class BackgroundWork:
             if awaited:
                 self._awaited += n
 
-    def _add_paced(self, n: int) -> None:
-        with self._lock:
-            self._paced_running += n
-
     @contextmanager
     def _store_thread(self) -> Iterator[None]:
         """Marks what runs inside it as a counted store's work, for `waiting`."""
@@ -296,13 +277,11 @@ class _PacedPool(ThreadPoolExecutor):
     def _paced(self, fn: Callable, args: tuple, kwargs: dict) -> object:
         work = self._work
         with work._paced_turn if work._engines_computing else nullcontext():
-            work._paced.active, work._paced.until = True, None
-            work._add_paced(1)
+            work._paced.cpu_mark, work._paced.until = time.thread_time(), None
             try:
                 return fn(*args, **kwargs)
             finally:
-                work._paced.active = False
-                work._add_paced(-1)
+                work._paced.cpu_mark = None
 
 
 class _DeferringPool(ThreadPoolExecutor):
