@@ -33,7 +33,8 @@ class DeviceKVPool:
         Each layer's sources are all read before any destination is written, so a
         page may be the destination of one pair and the source of another. Layers go
         as many at a time as STAGING_BYTES holds: a copy-on-write's single page in one
-        gather and one scatter for all layers (two small calls a layer cost ~2 ms a step)."""
+        gather and one scatter for all layers (two small calls a layer, 120 in all, cost 1-2 ms
+        a step)."""
         if not pairs:
             return
         src = torch.tensor([s for s, _ in pairs], dtype=torch.int64, device=self.device)

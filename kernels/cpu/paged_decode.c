@@ -51,8 +51,9 @@ static inline uint16_t f32_to_bf16(float f) {
 // pairs' products are exact), scaled after the sum; values are widened to float32 once per token for every
 // query head of a block, whose accumulators stay in registers. With the items and prefetches below, one
 // token over 2,560 took 10 ms over 30 layers instead of the portable loops' 14-19 (and the prefill kernel's
-// 12-16), 4 over 8,192 took 134-137 ms instead of 234-236 (`kvtierd bench cpu-attention`, a Xeon with AMX,
-// 2 threads): a long context joining running streams doubled their step.
+// 12-16), 4 over 8,192 took 134-137 ms instead of 234-236 (`kvtierd bench cpu-attention`, the previous source
+// swapped in for the "instead"; a Xeon with AMX, 2 threads): a long context joining running streams doubled
+// their step.
 #include <immintrin.h>
 #define PAIR_VECTORS (HEAD_DIM / 32)  // a row's 32-dimension vectors of bfloat16 pairs
 #define VECTORS (HEAD_DIM / 16)       // a row's float32 vectors

@@ -4,11 +4,11 @@ A decode step's attention reads each sequence's cached K and V once per layer,
 from pages anywhere in the pool, so on a CPU its speed is the memory's. One
 row per (context, batch): the C decode kernel (`kernels/cpu_decode.py`) over
 every layer's pool, each layer its own pool as in a step (nothing left in
-cache from the layer before), with the pools on 4 KiB pages and on huge pages
-(`storage/huge_pages.py`, what the device pool uses); beside it, the same
-attention through the C prefill kernel (a cached prompt's last token took that
-path before it went through the decode kernel) and the torch reference
-(gather + SDPA), and the machine's read bandwidth. GB/s are of KV bytes read.
+cache from the layer before), its pages scattered in a pool four times their
+number; beside it, the same attention through the C prefill kernel (a cached
+prompt's last token took that path before it went through the decode kernel)
+and the torch reference (gather + SDPA), and the machine's read bandwidth.
+GB/s are of KV bytes read.
 Each configuration is checked against the reference before it is timed.
 """
 

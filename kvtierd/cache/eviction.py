@@ -59,7 +59,8 @@ class IdlePage:
 
     def copy(self) -> IdlePage:
         """Its own copy for a policy inside another (a remap renames each policy's pages once); written out:
-        `dataclasses.replace` cost ~4 us a page, twice for each of a long prompt's pages going idle."""
+        `dataclasses.replace` took several microseconds a page, twice for each of a long prompt's pages going
+        idle in the step that finished it."""
         return IdlePage(self.block_id, self.block_hash, self.parent_hash, self.depth, self.hits, self.released,
                         self.root, self.retained)
 
