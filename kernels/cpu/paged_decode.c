@@ -46,6 +46,23 @@ static inline uint16_t f32_to_bf16(float f) {
   return (uint16_t)(u >> 16);
 }
 
+// Pass 2 over `count` query heads' rows of n scores (row g at scores + g * n): exp(score - max) in place, each
+// row's max and sum of exps into its part (part + g * PART).
+static void exp_rows(float* restrict scores, int n, int count, float* restrict part) {
+  for (int g = 0; g < count; ++g) {
+    float* s = scores + (int64_t)g * n;
+    float m = -FLT_MAX;
+    for (int t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
+    float sum = 0.f;
+    for (int t = 0; t < n; ++t) {
+      s[t] = expf(s[t] - m);
+      sum += s[t];
+    }
+    part[g * PART + 0] = m;
+    part[g * PART + 1] = sum;
+  }
+}
+
 #if defined(__AVX512BF16__) && HEAD_DIM % 32 == 0
 // AVX512-BF16: a score is one VDPBF16PS per 32 dimensions of (bfloat16 q, bfloat16 k) summed in float32 (the
 // pairs' products are exact), scaled after the sum; values are widened to float32 once per token for every
@@ -133,18 +150,7 @@ static inline __attribute__((always_inline)) void attend_heads(
               token_stride, run, gb, scale);
     t += run;
   }
-  for (int g = 0; g < gb; ++g) {  // pass 2
-    float* s = scratch + (int64_t)g * n;
-    float m = -FLT_MAX;
-    for (int t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
-    float sum = 0.f;
-    for (int t = 0; t < n; ++t) {
-      s[t] = expf(s[t] - m);
-      sum += s[t];
-    }
-    part[(g0 + g) * PART + 0] = m;
-    part[(g0 + g) * PART + 1] = sum;
-  }
+  exp_rows(scratch, n, gb, part + g0 * PART);  // pass 2
   __m512 acc[GROUP_BLOCK][VECTORS];
   for (int g = 0; g < gb; ++g)
     for (int c = 0; c < VECTORS; ++c) acc[g][c] = _mm512_setzero_ps();
@@ -213,18 +219,7 @@ static void attend_segment(float* restrict part, const uint16_t* restrict q, int
     }
   }
 
-  for (int g = 0; g < group; ++g) {  // pass 2
-    float* s = scratch + (int64_t)g * n;
-    float m = -FLT_MAX;
-    for (int t = 0; t < n; ++t) m = s[t] > m ? s[t] : m;
-    float sum = 0.f;
-    for (int t = 0; t < n; ++t) {
-      s[t] = expf(s[t] - m);
-      sum += s[t];
-    }
-    part[g * PART + 0] = m;
-    part[g * PART + 1] = sum;
-  }
+  exp_rows(scratch, n, group, part);  // pass 2
 
   float acc[MAX_GROUP][HEAD_DIM];
   memset(acc, 0, sizeof acc);
