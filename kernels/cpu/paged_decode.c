@@ -87,7 +87,8 @@ static inline void prefetch_page(const uint16_t* restrict rows, const int32_t* r
   for (int64_t b = 0; b < (int64_t)n * token_stride * 2; b += 64) _mm_prefetch(start + b, _MM_HINT_T1);
 }
 
-// The pages [t0 / block_size, t1) asks for ahead of the pass that computes page `p` (all of them up front for p < 0).
+// What a pass over the tokens [t0, t1) asks for at page `p`: page p + PREFETCH_PAGES (for p < 0, before the
+// pass, its first PREFETCH_PAGES pages).
 static inline void prefetch_ahead(const uint16_t* restrict rows, const int32_t* restrict table, int p, int t0,
                                   int t1, int block_size, int64_t token_stride) {
   const int last = (t1 - 1) / block_size;
