@@ -321,6 +321,39 @@ def bench_cpu_attention(
     write_json(json_path, {"machine": m, **f})
 
 
+@bench_app.command("cpu-matmul")
+def bench_cpu_matmul(
+    rows: Annotated[str, typer.Option(help="Rows (a step's tokens).")] = "1,2,3,4,5,6,8,16,32",
+    threads: ThreadsOpt = 0,
+    json_path: JsonOpt = None,
+) -> None:
+    """The bundled model's int4 matrices on the CPU by a step's rows: torch's int4 kernel beside the tile kernel
+    and the bfloat16 copies (where TORCH_INT4_MAX_ROWS comes from)."""
+    import torch
+
+    from kvtierd.bench.cpu_matmul_bench import layer_matrices, run_cpu_matmul_bench
+    from kvtierd.model.loader import load_model
+
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        f = run_cpu_matmul_bench(layer_matrices(load_model()), _ints(rows))
+    except RuntimeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
+    m = machine()
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} ({f['threads']} threads), {m['date']}")
+    print_table(
+        f"{f['matrices']} int4 matrices, ms a step (tile kernel: {f['tile_kernel'] or 'none here'})",
+        ["rows", "torch int4", "tile kernel", "bfloat16 copies"],
+        [[r["rows"], r["torch_int4_ms"], "-" if r["tile_kernel_ms"] is None else r["tile_kernel_ms"], r["dense_ms"]]
+         for r in f["rows"]],
+    )
+    typer.echo(f"torch's int4 kernel faster up to {f['torch_faster_up_to']} rows here; "
+               f"TORCH_INT4_MAX_ROWS = {f['torch_int4_max_rows']}")
+    write_json(json_path, {"machine": m, **f})
+
+
 @bench_app.command("fleet")
 def bench_fleet(
     redis_url: Annotated[Optional[str], typer.Option(help="A Redis/Valkey to use; default: start one on loopback.")] = None,

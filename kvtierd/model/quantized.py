@@ -23,8 +23,8 @@ from kvtierd.model.packed_matrix import PackedMatrix
 INT4_GROUP = 32  # weights per 4-bit group: llama.cpp's Q4_0/Q4_1 block
 # Rows up to which torch's int4 kernel beats ours (measured over the bundled model's matrices, 2 threads:
 # Sapphire Rapids 7 ms at 1 row, 13 at 4, against AMX tiles' ~14 flat; Zen 5 3.5 at 1, 5.3 at 4, against
-# AVX512-BF16's 4.4 and 5.7; a later Xeon 5.0 at 1, 8.1 at 4 and 12.9 at 5, against AMX's 9.3-9.6). Three
-# streams and a cached prompt's last token make 4.
+# AVX512-BF16's 4.4 and 5.7; `kvtierd bench cpu-matmul` on a later Xeon: 5.2 at 1, 8.1 at 4 and 13.2 at 5,
+# against AMX's 10.0-11.0). Three streams and a cached prompt's last token make 4.
 TORCH_INT4_MAX_ROWS = 4
 
 
