@@ -268,9 +268,10 @@ def test_flipped_bytes_in_stored_values_are_caught_and_never_served(daemons, cap
         assert errors_5xx(c) == 0
     assert "failed its" in d.log_text()
     stop_cleanly(d)
-    # The bad values were moved aside, not deleted (the recomputed turns stored good ones under their keys).
+    # The bad values were moved aside, not deleted (the recomputed turns stored good ones under their keys): each
+    # one caught by the count above, and any a reader still running then (a prefetch) caught before the stop.
     quarantined = stored_keys(d.state_dir / "kv", "quarantine")
-    assert len(quarantined) == min(disk["corrupt"], 16)
+    assert min(disk["corrupt"], 16) <= len(quarantined) <= min(daemons.values_flipped, 16)
     report(capsys, "flipped bytes", values_flipped=daemons.values_flipped, turns_checked_against_cold=len(turns),
            corrupt_values_caught=disk["corrupt"], quarantined=len(quarantined), **{"5xx seen": 0})
 
