@@ -8,7 +8,9 @@ prefix hit once is flushed). Then, per scenario, a fresh daemon whose device
 and host tier hold nothing of them:
 
     disk            the writer's state directory again, the remote tier off; data.mdb's pages dropped from
-                    the OS page cache (POSIX_FADV_DONTNEED) before it starts and before each load
+                    the OS page cache (POSIX_FADV_DONTNEED) before it starts and before the quiet spell
+                    ahead of each load (the drop is the bench's own kernel work beside the streams: right
+                    before a load, it slowed the step its window began in)
     remote          a new state directory, disk off: the prompts' KV is in Redis only
     remote slow     the same through a TCP proxy (a process of its own: bench/slow_proxy.py) that holds each
                     Redis call `redis_delay_ms`
@@ -235,11 +237,12 @@ def _prompt(rng: random.Random, n: int) -> list[int]:
 
 
 async def _measure(socket: Path, w: StallWorkload, name: str, warm: list[int], prompts: list[list[int]],
-                   fresh: list[list[int]], before_load=None, before_each=None) -> dict:
+                   fresh: list[list[int]], before_load=None, between_loads=None) -> dict:
     """A stored prompt loaded beside the streams once, unmeasured (the daemon's first load pays its one-time
     costs, as its first request does); then each of the others in turn, each followed by a fresh prompt of its
     length (the recompute), then a quiet spell at least as long as the load took, so the next load's window
-    without it holds only the streams' own steps."""
+    without it holds only the streams' own steps. `between_loads` runs before each quiet spell: what it costs
+    the machine (the page cache dropped) lands in neither window."""
     async with async_client(socket) as client:
         await _chat(client, [{"role": "user", "content": "Say hello."}], 2)  # warm-up, not measured
         log = Streams()
@@ -249,15 +252,14 @@ async def _measure(socket: Path, w: StallWorkload, name: str, warm: list[int], p
                  for i in range(w.streams)]
         await asyncio.sleep(w.head_start_s)
         ttft_warm, _ = await _completion(client, warm)
-        if before_load is not None:
-            await asyncio.to_thread(before_load)
+        for before in (before_load, between_loads):
+            if before is not None:
+                await asyncio.to_thread(before)
         quiet_since = time.perf_counter() + SETTLE_S
         await asyncio.sleep(SETTLE_S + max(1.0, 1.2 * ttft_warm))
         loads, hits, recomputes, infos, hit_infos = [], [], [], [], []
         windows, hit_windows, fresh_windows = [], [], []
         for prompt, other in zip(prompts, fresh, strict=True):
-            if before_each is not None:
-                await asyncio.to_thread(before_each)
             t_send = time.perf_counter()
             ttft_load, info = await _completion(client, prompt)
             await asyncio.sleep(0.5)
@@ -274,6 +276,8 @@ async def _measure(socket: Path, w: StallWorkload, name: str, warm: list[int], p
             hits.append(ttft_hit * 1e3)
             recomputes.append(ttft_recompute * 1e3)
             infos.append(info)
+            if between_loads is not None:
+                await asyncio.to_thread(between_loads)
             # The next load's window without it lies in this spell (it is as long as this load's window), past
             # the streams' gap across the recompute, which ends in its first steps.
             quiet_since = time.perf_counter() + SETTLE_S
@@ -388,7 +392,7 @@ def run_stall_bench(w: StallWorkload) -> dict:
                     _drop_page_cache(writer)
                     with started_daemon(root=writer, env=_env(w, disk=True)) as sock:
                         results.append(asyncio.run(_measure(sock, w, name, warm, prompts, fresh,
-                                                            before_each=lambda: _drop_page_cache(writer))))
+                                                            between_loads=lambda: _drop_page_cache(writer))))
                     continue
                 own = root / name.replace(" ", "-")
                 own.mkdir()
