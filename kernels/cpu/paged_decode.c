@@ -9,6 +9,11 @@
 // of the time). A work item is one segment for every KV head, so a page, which
 // holds a token's heads side by side, is read from memory once, front to back:
 //
+//   touch   a load per cache line of the segment's keys and values, nothing depending on them: the core
+//           keeps many lines in flight, and the passes below find them in L2. Reading them as the passes
+//           compute held one thread at ~3 GB/s (long contexts scattered in the pool, 2 threads: 6.3 GB/s in
+//           all, where a gather of the same pages reads 25), and software prefetches of the next page
+//           changed nothing; touched first, the kernel reads 11-12 GB/s
 //   pass 1  scores[g][t] = q_g . k_t * scale      (t over the segment)
 //   pass 2  p = exp(scores[g] - max), and its sum (exp over whole rows: vectorised)
 //   pass 3  acc_g = sum_t p[g][t] v_t
@@ -66,7 +71,7 @@ static void exp_rows(float* restrict scores, int n, int count, float* restrict p
 #if defined(__AVX512BF16__) && HEAD_DIM % 32 == 0
 // AVX512-BF16: a score is one VDPBF16PS per 32 dimensions of (bfloat16 q, bfloat16 k) summed in float32 (the
 // pairs' products are exact), scaled after the sum; values are widened to float32 once per token for every
-// query head of a block, whose accumulators stay in registers. With the items and prefetches below, one
+// query head of a block, whose accumulators stay in registers. With the items below (before the touch), one
 // token over 2,560 took 10 ms over 30 layers instead of the portable loops' 14-19 (and the prefill kernel's
 // 12-16), 4 over 8,192 took 134-137 ms instead of 234-236 (`kvtierd bench cpu-attention`, the previous source
 // swapped in for the "instead"; a Xeon with AMX, 2 threads): a long context joining running streams doubled
@@ -75,26 +80,6 @@ static void exp_rows(float* restrict scores, int n, int count, float* restrict p
 #define PAIR_VECTORS (HEAD_DIM / 32)  // a row's 32-dimension vectors of bfloat16 pairs
 #define VECTORS (HEAD_DIM / 16)       // a row's float32 vectors
 #define GROUP_BLOCK 4                 // query heads a pass over the values serves
-
-// Asks for page `p` of the table whole (every KV head's rows, up to token t1) into L2, PREFETCH_PAGES ahead of
-// the page being computed: the first KV head's pass over a page fetches it for the others, so a page is read
-// from memory once, front to back (the pages lie anywhere in the pool: the hardware prefetcher restarts at each).
-#define PREFETCH_PAGES 1
-static inline void prefetch_page(const uint16_t* restrict rows, const int32_t* restrict table, int p, int t1,
-                                 int block_size, int64_t token_stride) {
-  const int n = t1 - p * block_size < block_size ? t1 - p * block_size : block_size;
-  const char* start = (const char*)(rows + (int64_t)table[p] * block_size * token_stride);
-  for (int64_t b = 0; b < (int64_t)n * token_stride * 2; b += 64) _mm_prefetch(start + b, _MM_HINT_T1);
-}
-
-// What a pass over the tokens [t0, t1) asks for at page `p`: page p + PREFETCH_PAGES (for p < 0, before the
-// pass, its first PREFETCH_PAGES pages).
-static inline void prefetch_ahead(const uint16_t* restrict rows, const int32_t* restrict table, int p, int t0,
-                                  int t1, int block_size, int64_t token_stride) {
-  const int last = (t1 - 1) / block_size;
-  const int from = p < 0 ? t0 / block_size : p + PREFETCH_PAGES, to = p < 0 ? from + PREFETCH_PAGES - 1 : from;
-  for (int q = from; q <= to && q <= last; ++q) prefetch_page(rows, table, q, t1, block_size, token_stride);
-}
 
 // Scores of `gb` query heads (`qv[g]`: their bfloat16 rows) over `n` keys at `k`, one token apart.
 static inline __attribute__((always_inline)) void score_run(float* restrict scores, int64_t g_stride,
@@ -133,20 +118,15 @@ static inline __attribute__((always_inline)) void value_run(__m512 (*acc)[VECTOR
 static inline __attribute__((always_inline)) void attend_heads(
     float* restrict part, const uint16_t* restrict qrows, const uint16_t* restrict k_cache,
     const uint16_t* restrict v_cache, const int32_t* restrict table, int t0, int t1, int64_t token_stride,
-    int block_size, float scale, float* restrict scratch, int g0, const int gb, int64_t head_offset) {
+    int block_size, float scale, float* restrict scratch, int g0, const int gb) {
   const int n = t1 - t0;
-  const int fetch = head_offset == 0 && g0 == 0;  // the first pass over these pages fetches them whole
   __m512bh qv[GROUP_BLOCK][PAIR_VECTORS];
   for (int g = 0; g < gb; ++g)
     for (int c = 0; c < PAIR_VECTORS; ++c)
       qv[g][c] = (__m512bh)_mm512_loadu_si512(qrows + (int64_t)(g0 + g) * HEAD_DIM + 32 * c);
-  const uint16_t* k_rows = k_cache - head_offset;  // whole rows, every KV head's
-  const uint16_t* v_rows = v_cache - head_offset;
-  if (fetch && t1 > t0) prefetch_ahead(k_rows, table, -1, t0, t1, block_size, token_stride);
   for (int t = t0; t < t1;) {  // pass 1
     const int off = t % block_size, run = block_size - off < t1 - t ? block_size - off : t1 - t;
     const int64_t slot = (int64_t)table[t / block_size] * block_size + off;
-    if (fetch) prefetch_ahead(k_rows, table, t / block_size, t0, t1, block_size, token_stride);
     score_run(scratch + (t - t0), n, (const __m512bh(*)[PAIR_VECTORS])qv, k_cache + slot * token_stride,
               token_stride, run, gb, scale);
     t += run;
@@ -155,11 +135,9 @@ static inline __attribute__((always_inline)) void attend_heads(
   __m512 acc[GROUP_BLOCK][VECTORS];
   for (int g = 0; g < gb; ++g)
     for (int c = 0; c < VECTORS; ++c) acc[g][c] = _mm512_setzero_ps();
-  if (fetch && t1 > t0) prefetch_ahead(v_rows, table, -1, t0, t1, block_size, token_stride);
   for (int t = t0; t < t1;) {  // pass 3
     const int off = t % block_size, run = block_size - off < t1 - t ? block_size - off : t1 - t;
     const int64_t slot = (int64_t)table[t / block_size] * block_size + off;
-    if (fetch) prefetch_ahead(v_rows, table, t / block_size, t0, t1, block_size, token_stride);
     value_run(acc, scratch + (t - t0), n, v_cache + slot * token_stride, token_stride, run, gb);
     t += run;
   }
@@ -182,10 +160,10 @@ static void attend_segment(float* restrict part, const uint16_t* restrict q, int
   for (int g0 = 0; g0 < group; g0 += GROUP_BLOCK) {
     float* s = scratch + (int64_t)g0 * (t1 - t0);
     switch (group - g0 < GROUP_BLOCK ? group - g0 : GROUP_BLOCK) {  // a constant block size per call
-      case 1: attend_heads(part, qrows, k_cache, v_cache, table, t0, t1, token_stride, block_size, scale, s, g0, 1, head_offset); break;
-      case 2: attend_heads(part, qrows, k_cache, v_cache, table, t0, t1, token_stride, block_size, scale, s, g0, 2, head_offset); break;
-      case 3: attend_heads(part, qrows, k_cache, v_cache, table, t0, t1, token_stride, block_size, scale, s, g0, 3, head_offset); break;
-      default: attend_heads(part, qrows, k_cache, v_cache, table, t0, t1, token_stride, block_size, scale, s, g0, 4, head_offset);
+      case 1: attend_heads(part, qrows, k_cache, v_cache, table, t0, t1, token_stride, block_size, scale, s, g0, 1); break;
+      case 2: attend_heads(part, qrows, k_cache, v_cache, table, t0, t1, token_stride, block_size, scale, s, g0, 2); break;
+      case 3: attend_heads(part, qrows, k_cache, v_cache, table, t0, t1, token_stride, block_size, scale, s, g0, 3); break;
+      default: attend_heads(part, qrows, k_cache, v_cache, table, t0, t1, token_stride, block_size, scale, s, g0, 4);
     }
   }
 }
@@ -235,6 +213,23 @@ static void attend_segment(float* restrict part, const uint16_t* restrict q, int
   for (int g = 0; g < group; ++g) memcpy(part + g * PART + 2, acc[g], sizeof acc[g]);
 }
 #endif
+
+// Reads the keys and values of the tokens [t0, t1) once, a load per cache line with nothing depending on it,
+// so the core keeps many lines in flight; the passes then find them in L2.
+static void touch_segment(const uint16_t* restrict k_cache, const uint16_t* restrict v_cache,
+                          const int32_t* restrict table, int t0, int t1, int block_size, int64_t token_stride) {
+  uint64_t sink = 0;
+  for (int t = t0; t < t1;) {
+    const int off = t % block_size, run = block_size - off < t1 - t ? block_size - off : t1 - t;
+    const int64_t first = ((int64_t)table[t / block_size] * block_size + off) * token_stride;
+    const int64_t words = (int64_t)run * token_stride / 4;  // uint64 words
+    const uint64_t* k = (const uint64_t*)(k_cache + first);
+    const uint64_t* v = (const uint64_t*)(v_cache + first);
+    for (int64_t w = 0; w < words; w += 8) sink ^= k[w] ^ v[w];
+    t += run;
+  }
+  __asm__ volatile("" : : "r"(sink));
+}
 
 // The segments' parts of one (sequence, KV head) rescaled to their common max and summed, into bfloat16 rows.
 static void merge_segments(uint16_t* restrict out, const float* restrict parts, int num_segments, int group,
@@ -300,6 +295,8 @@ int kvt_paged_decode_bf16(
       while (first[seq + 1] <= piece) ++seq;  // few sequences: a scan is as good as a search
       const int t0 = (int)(piece - first[seq]) * SEGMENT;
       const int t1 = t0 + SEGMENT < context_lens[seq] ? t0 + SEGMENT : context_lens[seq];
+      touch_segment(k_cache, v_cache, block_tables + seq * max_blocks, t0, t1, block_size,
+                    (int64_t)num_kv_heads * HEAD_DIM);
       for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         if (scratch == NULL)
           failed = 1;
