@@ -25,8 +25,8 @@ Loads are paced instead (`pool(..., paced=True)`): they do not count, so a
 step keeps every thread. While an engine computes for running requests, the
 loads run one at a time (a chunk each turn), and each sleeps between slices
 of its work (`pace`, called between a chunk's layers) so that together they
-take about PACED_SHARE of one core. Counted, a load made the steps run at one
-thread for its 100-200 ms, and two loads side by side took both cores: the
+take about PACED_SHARE (a seventh) of one core. Counted, a load made the steps
+run at one thread for its 100-200 ms, and two loads side by side took both cores: the
 streams' steps ran 1.5-4x their time (`kvtierd bench stall`, 2 cores). Paced,
 a load takes longer and only its own request waits for it. A load whose
 work cannot yield (a fleet value's GET, HMAC and decode, in one piece) is
@@ -56,12 +56,16 @@ import torch
 # gap between one request's end and the next one's steps (a chat's next turn sent on the reply, a busy
 # daemon's next request) is shorter than this; an idle spell worth the name is longer.
 IDLE_SPELL_S = 0.1
-# The share of one core paced loads take together while an engine computes for running requests. Measured with
-# `bench stall` (Zen 5, 2 cores; the streams' ITL p99 during a disk load over without it): 0.35 gave 1.46x at a
-# TTFT of 648 ms, 0.5 gave 2.43x (667 ms); counted loads, 3.39x (548 ms). Once a whole-page prompt's hit computed
-# its last token alone, 0.35 and 0.2 alternated three times each: 1.31-1.63x (TTFT 244-288 ms) and 1.16-2.37x
-# (302-439 ms): no better for the streams, slower for the load.
-PACED_SHARE = 0.35
+# The share of one core paced loads take together while an engine computes for running requests. Any work beside
+# a step costs it more than its share: a thread paced at 30% of a core, copying or hashing alike, took three
+# decoding streams' steps from 16-18 ms to 26-30 (probe, 2 cores), a step's threads waiting for the one that
+# lost its core. Measured with `bench stall` (Zen 5, 2 cores; the streams' ITL p99 during a disk load over
+# without it): 0.35 gave 1.46x at a TTFT of 648 ms, 0.5 2.43x (667 ms); counted loads, 3.39x (548 ms). Once the
+# join step (a long context's first token beside the streams) was no longer most of the window (the decode
+# kernel's touch pass; a Xeon with AMX, 2 cores), 0.15 gave 1.25x and 1.26x (TTFT 635 and 601 ms: 3.7x faster than
+# recomputing), 0.2 1.57x (446), 0.35 1.56x (387). A disk load's ~40 ms of CPU spreads over ~600 ms and the
+# streams keep their pace; its own request waits longer (a lone restore, not paced, does not).
+PACED_SHARE = 0.15
 # A store's wait on its store counts this long, then no more until it ends: a SET or a put on this host takes a
 # few ms of the store's own CPU, and one through a slow network holds no core.
 COUNTED_WAIT_S = 0.02
