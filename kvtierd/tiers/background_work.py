@@ -62,9 +62,10 @@ IDLE_SPELL_S = 0.1
 # lost its core. Measured with `bench stall` (Zen 5, 2 cores; the streams' ITL p99 during a disk load over
 # without it): 0.35 gave 1.46x at a TTFT of 648 ms, 0.5 2.43x (667 ms); counted loads, 3.39x (548 ms). Once the
 # join step (a long context's first token beside the streams) was no longer most of the window (the decode
-# kernel's touch pass; a Xeon with AMX, 2 cores), 0.15 gave 1.25x and 1.26x (TTFT 635 and 601 ms: 3.7x faster than
-# recomputing), 0.2 1.57x (446), 0.35 1.56x (387). A disk load's ~40 ms of CPU spreads over ~600 ms and the
-# streams keep their pace; its own request waits longer (a lone restore, not paced, does not).
+# kernel's touch pass; a Xeon with AMX, 2 cores), 0.15 gave 1.25-1.66x over six runs (median 1.48; TTFT 503-635
+# ms, 3.5x faster than recomputing), 0.2 1.57x (446 ms), 0.35 1.56x and 1.58x (387 and 328 ms): the run-to-run
+# spread is as wide as the gain. A disk load's ~40 ms of CPU spreads over ~600 ms; its own request waits longer
+# (a lone restore, not paced, does not).
 PACED_SHARE = 0.15
 # A store's wait on its store counts this long, then no more until it ends: a SET or a put on this host takes a
 # few ms of the store's own CPU, and one through a slow network holds no core.
