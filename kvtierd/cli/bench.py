@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Optional, TypeVar
 
 import typer
 
@@ -18,6 +19,18 @@ ThreadsOpt = Annotated[int, typer.Option(help="torch threads; 0: the daemon's (t
 
 def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
+
+
+T = TypeVar("T")
+
+
+def _figures(run: Callable[[], T]) -> T:
+    """A bench's figures; a bench that cannot run here (no kernel, no Redis) says why and exits 2."""
+    try:
+        return run()
+    except RuntimeError as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(2) from e
 
 
 @bench_app.command("engine")
@@ -268,12 +281,9 @@ def bench_kernels(
 
     if dtype not in ("float16", "bfloat16"):
         raise typer.BadParameter("--dtype is float16 or bfloat16")
-    try:
-        figures = run_kernel_bench(_ints(batches), _ints(contexts), head_dim=head_dim, block_size=block_size,
-                                   dtype=getattr(torch, dtype), print_fn=typer.echo)
-    except RuntimeError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+    figures = _figures(lambda: run_kernel_bench(_ints(batches), _ints(contexts), head_dim=head_dim,
+                                                block_size=block_size, dtype=getattr(torch, dtype),
+                                                print_fn=typer.echo))
     m = machine()
     typer.echo(f"machine: {m['cpu']}, {figures['device']}, torch {m['torch']}, {m['date']}")
     print_table(
@@ -304,11 +314,7 @@ def bench_cpu_attention(
 
     if threads:
         torch.set_num_threads(threads)
-    try:
-        f = run_cpu_attention_bench(tuple(_ints(contexts)), tuple(_ints(batches)))
-    except RuntimeError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+    f = _figures(lambda: run_cpu_attention_bench(tuple(_ints(contexts)), tuple(_ints(batches))))
     m = machine()
     typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} ({f['threads']} threads), {m['date']}")
     print_table(
@@ -336,11 +342,7 @@ def bench_cpu_matmul(
 
     if threads:
         torch.set_num_threads(threads)
-    try:
-        f = run_cpu_matmul_bench(layer_matrices(load_model()), _ints(rows))
-    except RuntimeError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+    f = _figures(lambda: run_cpu_matmul_bench(layer_matrices(load_model()), _ints(rows)))
     m = machine()
     typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} ({f['threads']} threads), {m['date']}")
     print_table(
@@ -374,11 +376,7 @@ def bench_fleet(
         import torch
 
         torch.set_num_threads(threads)
-    try:
-        f = run_fleet_bench(load_model(model), redis_url, doc_tokens, repeats, turns)
-    except RuntimeError as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(2) from e
+    f = _figures(lambda: run_fleet_bench(load_model(model), redis_url, doc_tokens, repeats, turns))
     m = machine()
     typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} ({m['torch_threads']} threads), "
                f"{m['date']}; redis: {f['redis']}")
