@@ -11,6 +11,10 @@
 Codecs are shared objects: `get_codec` hands out one per (name, level), and each
 keeps zstd contexts per thread (a context is not thread-safe, and making one per
 call costs more than compressing a small chunk).
+
+Decoding takes a `between`, called after each SLICE_BYTES of its work: a load
+that may use the CPU only in slices (paced beside the engine's steps:
+kvtierd/tiers/background_work.py) waits there for its next one.
 """
 
 from __future__ import annotations
@@ -30,6 +34,14 @@ from kvtierd.storage.store_errors import CorruptValueError
 DEFAULT_LEVEL = 1
 
 Buffer: TypeAlias = bytes | bytearray | memoryview
+# Called between slices of a long piece of work (decoding, hashing a value): where a paced caller yields.
+Between: TypeAlias = Callable[[], object]
+# The work between two calls of a `between`: ~0.5 ms of decoding or hashing.
+SLICE_BYTES = 1 << 20
+
+
+def no_pause() -> None:
+    """A `between` for callers that never yield."""
 
 
 class Codec(Protocol):
@@ -37,7 +49,7 @@ class Codec(Protocol):
 
     def encode(self, data: Buffer, itemsize: int) -> bytes: ...
 
-    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> Buffer:
+    def decode(self, data: Buffer, itemsize: int, nbytes: int, between: Between = no_pause) -> Buffer:
         """Inverse of encode; `nbytes` is the decoded size. Raises CorruptValueError."""
         ...
 
@@ -48,7 +60,7 @@ class RawCodec:
     def encode(self, data: Buffer, itemsize: int) -> bytes:
         return bytes(data)
 
-    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> memoryview:
+    def decode(self, data: Buffer, itemsize: int, nbytes: int, between: Between = no_pause) -> memoryview:
         """A view of `data` itself: the caller copies what it keeps (a load copies it into the device)."""
         view = memoryview(data)
         if view.nbytes != nbytes:
@@ -66,15 +78,23 @@ class ZstdCodec:
     def encode(self, data: Buffer, itemsize: int) -> bytes:
         return self._contexts.cctx.compress(data)
 
-    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> bytes:
+    def decode(self, data: Buffer, itemsize: int, nbytes: int, between: Between = no_pause) -> memoryview:
+        """Into a buffer of `nbytes` allocated once, a slice of output at a time; a frame that decodes to more or
+        fewer bytes is corrupt."""
+        out = np.empty(nbytes, dtype=np.uint8)
+        view, got = memoryview(out), 0
         try:
-            # max_output_size bounds the allocation should the frame's own size field lie.
-            out = self._contexts.dctx.decompress(data, max_output_size=nbytes)
+            with self._contexts.dctx.stream_reader(data, read_across_frames=False) as reader:
+                while got < nbytes and (n := reader.readinto(view[got : got + SLICE_BYTES])):
+                    got += n
+                    between()
+                extra = reader.read(1)
         except zstandard.ZstdError as e:
             raise CorruptValueError("payload", f"zstd: {e}") from e
-        if len(out) != nbytes:
-            raise CorruptValueError("payload", f"zstd payload decodes to {len(out)} bytes, expected {nbytes}")
-        return out
+        if got != nbytes or extra:
+            raise CorruptValueError("payload", f"zstd payload decodes to {'more than ' if extra else ''}{got} "
+                                    f"bytes, expected {nbytes}")
+        return view
 
 
 class ZstdPlanesCodec(ZstdCodec):
@@ -93,8 +113,8 @@ class ZstdPlanesCodec(ZstdCodec):
         parts += [stream.compress(tail), stream.flush()]
         return b"".join(parts)
 
-    def decode(self, data: Buffer, itemsize: int, nbytes: int) -> Buffer:
-        return _from_planes(super().decode(data, itemsize, nbytes), itemsize)
+    def decode(self, data: Buffer, itemsize: int, nbytes: int, between: Between = no_pause) -> Buffer:
+        return _from_planes(super().decode(data, itemsize, nbytes, between), itemsize, between)
 
 
 class _ZstdContexts(threading.local):
@@ -117,7 +137,7 @@ def _to_planes(data: Buffer, itemsize: int) -> tuple[np.ndarray, bytes]:
     return np.ascontiguousarray(items[:, _HIGH_FIRST].T), raw[whole:].tobytes()
 
 
-def _from_planes(data: bytes, itemsize: int) -> memoryview:
+def _from_planes(data: Buffer, itemsize: int, between: Between) -> memoryview:
     """The items back from their planes, as a writable buffer (the tier manager copies it into the device)."""
     raw = np.frombuffer(data, dtype=np.uint8)
     whole = len(raw) - len(raw) % itemsize
@@ -127,6 +147,7 @@ def _from_planes(data: bytes, itemsize: int) -> memoryview:
     order = range(itemsize)[_HIGH_FIRST]
     for plane, byte in zip(planes, order):  # one strided write per plane: far faster than a transposed copy
         items[:, byte] = plane
+        between()
     out[whole:] = raw[whole:]
     return memoryview(out)
 

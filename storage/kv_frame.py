@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtierd.storage.codecs import DEFAULT_LEVEL, Buffer, get_codec
+from kvtierd.storage.codecs import DEFAULT_LEVEL, Between, Buffer, get_codec, no_pause
 from kvtierd.storage.geometry import KVGeometry
 from kvtierd.storage.store_errors import CorruptValueError
 
@@ -132,13 +132,15 @@ class CheckedFrame:
     checksum: int  # xxh3_64 the encoded payload must have
 
 
-def decode_frame(data: Buffer, expected: FrameExpectation) -> DecodedChunk:
-    """Checks the frame against `expected` and decodes its payload. Raises CorruptValueError naming the check."""
+def decode_frame(data: Buffer, expected: FrameExpectation, between: Between = no_pause) -> DecodedChunk:
+    """Checks the frame against `expected` and decodes its payload (`between`: called between slices of the
+    work, storage/codecs.py). Raises CorruptValueError naming the check."""
     frame = check_frame_head(data, expected)
     if xxhash.xxh3_64_intdigest(frame.encoded) != frame.checksum:
         raise CorruptValueError("checksum", "the payload's xxh3_64 differs from the frame's")
+    between()
     g = expected.geometry
-    payload = get_codec(frame.codec).decode(frame.encoded, g.dtype.itemsize, expected.payload_nbytes)
+    payload = get_codec(frame.codec).decode(frame.encoded, g.dtype.itemsize, expected.payload_nbytes, between)
     return DecodedChunk(payload=payload, codec=frame.codec, encoded_nbytes=len(frame.encoded))
 
 

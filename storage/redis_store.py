@@ -52,6 +52,7 @@ from redis.cluster import RedisCluster
 from redis.exceptions import OutOfMemoryError, RedisClusterException, RedisError
 
 from kvtierd.storage.chunk_store import StoreStats
+from kvtierd.storage.codecs import Between, no_pause
 from kvtierd.storage.circuit_breaker import BreakerState, CircuitBreaker
 from kvtierd.storage.owner_shares import OwnerUsage
 from kvtierd.storage.redis_client import RedisClient, open_client, parse_redis_url
@@ -137,9 +138,9 @@ class RedisStore:
         found = self._call(exists)
         return [bool(there) for there in found] if found is not None else [False] * len(names)
 
-    def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+    def get_many(self, keys: Sequence[bytes], between: Between = no_pause) -> list[memoryview | None]:
         """The frames, each a read-only view into the value redis-py read (one copy off the socket, none
-        after)."""
+        after); `between` is called after the read and between slices of checking their tags."""
         names = self._names(keys)
         if not names:
             return []
@@ -155,7 +156,9 @@ class RedisStore:
             self._num_gets += len(names)
         if sealed is None:
             return [None] * len(names)
-        frames = [None if s is None else self._seal.unseal(name, s) for name, s in zip(names, sealed, strict=True)]
+        between()
+        frames = [None if s is None else self._seal.unseal(name, s, between)
+                  for name, s in zip(names, sealed, strict=True)]
         forged = [name for name, s, f in zip(names, sealed, frames, strict=True) if s is not None and f is None]
         with self._lock:
             self._num_hits += sum(f is not None for f in frames)

@@ -16,7 +16,7 @@ import hashlib
 import hmac
 import struct
 
-from kvtierd.storage.codecs import Buffer
+from kvtierd.storage.codecs import SLICE_BYTES, Between, Buffer, no_pause
 from kvtierd.storage.store_errors import StoreArgumentError
 
 MIN_SECRET_BYTES = 16
@@ -40,18 +40,21 @@ class ValueSeal:
     def seal(self, key: bytes, frame: Buffer) -> bytes:
         return self._tag(key, frame) + frame
 
-    def unseal(self, key: bytes, sealed: bytes) -> memoryview | None:
+    def unseal(self, key: bytes, sealed: bytes, between: Between = no_pause) -> memoryview | None:
         """The frame, a read-only view into `sealed` (not a copy: values are megabytes), or None if the tag
         does not match (forged, altered, moved, or another secret's)."""
         if len(sealed) < TAG_BYTES:
             return None
         frame = memoryview(sealed)[TAG_BYTES:]
-        if not hmac.compare_digest(sealed[:TAG_BYTES], self._tag(key, frame)):
+        if not hmac.compare_digest(sealed[:TAG_BYTES], self._tag(key, frame, between)):
             return None
         return frame
 
-    def _tag(self, key: bytes, frame: Buffer) -> bytes:
+    def _tag(self, key: bytes, frame: Buffer, between: Between = no_pause) -> bytes:
         mac = hmac.new(self._secret, _KEY_LENGTH.pack(len(key)), hashlib.sha256)
         mac.update(key)
-        mac.update(frame)  # in place: frames are megabytes, never concatenated with the key
+        view = memoryview(frame)  # in place: frames are megabytes, never concatenated with the key
+        for at in range(0, len(view), SLICE_BYTES):
+            mac.update(view[at : at + SLICE_BYTES])
+            between()
         return mac.digest()

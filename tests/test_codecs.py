@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from kvtierd.storage.codecs import CODEC_NAMES, get_codec
+from kvtierd.storage.codecs import CODEC_NAMES, SLICE_BYTES, get_codec
 from kvtierd.storage.store_errors import CorruptValueError
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32]
@@ -95,3 +95,17 @@ def test_one_codec_serves_many_threads(name: str) -> None:
 
     with ThreadPoolExecutor(max_workers=8) as pool:
         assert all(pool.map(round_trip, inputs))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_decoding_calls_between_after_each_slice_of_its_work(name: str) -> None:
+    """A paced load yields in `between`: a value of several slices calls it once a slice (and once a plane), and
+    decodes to the same bytes."""
+    codec = get_codec(name)
+    data = activations(3 * SLICE_BYTES // 2, torch.bfloat16)  # 3 slices of bytes
+    calls: list[int] = []
+    assert bytes(codec.decode(codec.encode(data, 2), 2, len(data), lambda: calls.append(1))) == data
+    if name == "raw":
+        assert not calls  # a view of the value: no work to slice
+    else:
+        assert len(calls) >= {"zstd": 3, "zstd-planes": 3 + 2}[name]

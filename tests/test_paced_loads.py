@@ -1,22 +1,12 @@
-"""Paced loads: uncounted (a step keeps every thread), one at a time while an engine computes for running
-requests, sleeping between slices of their work, and at full speed, side by side, for an engine that computes
-nothing else. Events, not clocks: what is checked is which task runs when, never how long anything took."""
+"""Paced loads: uncounted (a step keeps every thread); while an engine computes for running requests, they run
+one at a time and only within the time the engine lends them between its steps; for an engine that computes
+nothing else, at full speed, side by side. Events, not clocks: what is checked is which task runs when, never
+how long anything took."""
 
 import threading
 import time
 
-from kvtierd.tiers import background_work
-from kvtierd.tiers.background_work import BACKGROUND_WORK, BackgroundWork
-from kvtierd.tiers.chunk import ChunkSpan, FoundChunk
-from kvtierd.tiers.tier import Tier
-from kvtierd.tiers.transfer import TransferQueue, TransferStats
-
-
-def burn_cpu(seconds: float) -> None:
-    """Uses this thread's CPU for `seconds` (thread time: the same on a slow machine as on a fast one)."""
-    end = time.thread_time() + seconds
-    while time.thread_time() < end:
-        pass
+from kvtierd.tiers.background_work import BackgroundWork
 
 
 def wait_until(condition, limit_s: float = 30.0) -> None:
@@ -27,9 +17,28 @@ def wait_until(condition, limit_s: float = 30.0) -> None:
         time.sleep(0.001)
 
 
+class Lender:
+    """An engine's step loop as paced tasks see it: lends them time between its (empty) steps until stopped."""
+
+    def __init__(self, work: BackgroundWork) -> None:
+        self._work = work
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._work.lend(0.01)
+            time.sleep(0.001)  # the step itself
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def test_paced_tasks_do_not_count_so_a_step_keeps_every_thread():
     work = BackgroundWork()
-    pool = work.pool(2, "test-paced", paced=True)
+    pool = work.paced_pool(2, "test-paced")
     release = threading.Event()
     try:
         task = pool.submit(release.wait)
@@ -43,7 +52,7 @@ def test_paced_tasks_do_not_count_so_a_step_keeps_every_thread():
 
 def test_paced_tasks_run_one_at_a_time_while_an_engine_computes_and_side_by_side_when_none_does():
     work = BackgroundWork()
-    pool = work.pool(2, "test-paced", paced=True)
+    pool = work.paced_pool(2, "test-paced")
     events: list[str] = []
     first_in, second_in, go = threading.Event(), threading.Event(), threading.Event()
 
@@ -57,8 +66,9 @@ def test_paced_tasks_run_one_at_a_time_while_an_engine_computes_and_side_by_side
         second_in.set()
         events.append("second starts")
 
+    work.engine_computes(True)
+    lender = Lender(work)
     try:
-        work.engine_computes(True)
         a = pool.submit(first)
         assert first_in.wait(30)
         b = pool.submit(second)
@@ -67,39 +77,78 @@ def test_paced_tasks_run_one_at_a_time_while_an_engine_computes_and_side_by_side
         a.result(timeout=30)
         b.result(timeout=30)
         assert events == ["first starts", "first ends", "second starts"]
-
-        work.engine_computes(False)  # nothing running: loads for a lone request go at once, side by side
-        both_in = threading.Barrier(2, timeout=30)
+    finally:
+        go.set()
+        lender.stop()
+        work.engine_computes(False)
+    try:
+        both_in = threading.Barrier(2, timeout=30)  # nothing running: loads for a lone request go at once
         tasks = [pool.submit(both_in.wait) for _ in range(2)]
         for t in tasks:
             t.result(timeout=30)  # a BrokenBarrierError here: they ran one at a time
     finally:
-        go.set()
         pool.shutdown(wait=True)
 
 
-def test_a_paced_task_sleeps_between_slices_until_the_engine_stops_computing():
-    """A slice of CPU time, then `pace`: it waits (its share of a core is spent) while the engine computes, and
-    goes on as soon as the engine has nothing running."""
+def test_while_an_engine_computes_a_paced_task_works_only_within_its_lends():
+    """No slice starts before the engine lends time; one lend long enough runs the task to its end and returns
+    as soon as nothing is left to run."""
     work = BackgroundWork()
-    pool = work.pool(1, "test-paced", paced=True)
-    sliced, paced = threading.Event(), threading.Event()
+    pool = work.paced_pool(1, "test-paced")
+    events: list[str] = []
+    started = threading.Event()
 
     def load() -> None:
-        burn_cpu(0.5)  # its sleep would be longer than the test waits below
-        sliced.set()
+        events.append("slice 1")
+        started.set()
         work.pace()
-        paced.set()
+        events.append("slice 2")
 
+    work.engine_computes(True)
     try:
-        work.engine_computes(True)
         task = pool.submit(load)
-        assert sliced.wait(60)
-        assert not paced.wait(0.2)  # yielding to the steps
-        work.engine_computes(False)
+        assert not started.wait(0.2)  # no lend: it waits between steps that never come
+        work.lend(3600)  # returns once the task has ended, not an hour later
         task.result(timeout=30)
-        assert paced.is_set()
+        assert events == ["slice 1", "slice 2"]
+        work.lend(3600)  # nothing to run: returns at once
     finally:
+        work.engine_computes(False)
+        pool.shutdown(wait=True)
+
+
+def test_a_lend_ends_at_its_time_and_waits_so_long_for_a_slice_that_runs_on():
+    """The step waits for a slice running as its lend ends at most SLICE_WAIT_S; the task's next slice then waits
+    for another lend, and starts at once when the engine stops computing."""
+    work = BackgroundWork()
+    pool = work.paced_pool(1, "test-paced")
+    in_slice, go, second = threading.Event(), threading.Event(), threading.Event()
+
+    def load() -> None:
+        in_slice.set()
+        go.wait(60)
+        work.pace()
+        second.set()
+
+    work.engine_computes(True)
+    computing = True
+    try:
+        task = pool.submit(load)
+        lend = threading.Thread(target=work.lend, args=(1.0,))
+        lend.start()
+        assert in_slice.wait(30)
+        lend.join(30)
+        assert not lend.is_alive() and not go.is_set()  # the lend returned with the slice still running
+        go.set()
+        assert not second.wait(0.2)  # its next slice waits for a lend
+        work.engine_computes(False)
+        computing = False
+        task.result(timeout=30)
+        assert second.is_set()
+    finally:
+        go.set()
+        if computing:
+            work.engine_computes(False)
         pool.shutdown(wait=True)
 
 
@@ -107,35 +156,28 @@ def test_pace_does_nothing_outside_a_paced_task():
     """The step thread (or a tool) copying pages through the same code never waits."""
     work = BackgroundWork()
     work.engine_computes(True)
-
-    def copy_on_a_plain_thread() -> None:
-        burn_cpu(0.5)
-        work.pace()
-
-    thread = threading.Thread(target=copy_on_a_plain_thread)
+    thread = threading.Thread(target=work.pace)
     thread.start()
     thread.join(60)
     try:
-        assert not thread.is_alive()  # it did not wait for the engine to stop computing
+        assert not thread.is_alive()  # it did not wait for a lend
+        assert not work.pacing()  # nor would it work in slices
     finally:
         work.engine_computes(False)
-        thread.join()
 
 
-def test_a_paced_task_stops_yielding_at_its_bound(monkeypatch):
-    """Past its `pace_until` (a share of its request's deadline), a load goes at full speed."""
-    monkeypatch.setattr(background_work, "PACED_SHARE", 1e-9)  # a slice's sleep would outlast the test
+def test_a_paced_task_past_its_bound_runs_without_a_lend():
+    """Past its bound (a share of its request's deadline), a load goes at full speed, in one piece."""
     work = BackgroundWork()
-    pool = work.pool(1, "test-paced", paced=True)
+    pool = work.paced_pool(1, "test-paced")
 
-    def load() -> None:
-        work.pace_until(time.monotonic() - 1.0)  # already past
-        burn_cpu(0.1)
+    def load() -> bool:
         work.pace()
+        return work.pacing()
 
+    work.engine_computes(True)
     try:
-        work.engine_computes(True)
-        pool.submit(load).result(timeout=60)  # the engine still computes: it did not wait for it to stop
+        assert pool.submit_paced(time.monotonic() - 1.0, load).result(timeout=60) is False  # no lend given
     finally:
         work.engine_computes(False)
         pool.shutdown(wait=True)
@@ -145,69 +187,19 @@ def test_a_paced_task_works_in_slices_only_while_it_would_yield():
     """`pacing` tells a load to copy layer by layer (pacing between) or in one piece: only a paced task, while an
     engine computes and before its bound, goes in slices."""
     work = BackgroundWork()
-    pool = work.pool(1, "test-paced", paced=True)
-
-    def seen(until: float | None) -> bool:
-        work.pace_until(until)
-        return work.pacing()
-
+    pool = work.paced_pool(1, "test-paced")
+    lender = None
     try:
-        assert not pool.submit(seen, None).result(timeout=60)  # no engine computes: in one piece
+        assert not pool.submit(work.pacing).result(timeout=60)  # no engine computes: in one piece
         work.engine_computes(True)
-        assert pool.submit(seen, None).result(timeout=60)
-        assert pool.submit(seen, time.monotonic() + 3600).result(timeout=60)
-        assert not pool.submit(seen, time.monotonic() - 1.0).result(timeout=60)  # past its bound
-        assert not work.pacing()  # not a paced task's thread
+        lender = Lender(work)
+        assert pool.submit(work.pacing).result(timeout=60)
+        assert pool.submit_paced(time.monotonic() + 3600, work.pacing).result(timeout=60)
+        assert not pool.submit_paced(time.monotonic() - 1.0, work.pacing).result(timeout=60)  # past its bound
     finally:
-        work.engine_computes(False)
-        pool.shutdown(wait=True)
-
-
-def test_a_load_whose_tier_cannot_yield_counts_and_does_not_pace(monkeypatch):
-    """A fleet value's load (its GET, HMAC and decode in one piece) takes the core the steps leave to counted
-    work, instead of sleeping after it: through the transfer queue, as the tier manager submits it."""
-    monkeypatch.setattr(background_work, "PACED_SHARE", 1e-9)  # were it paced, it would sleep past the test
-    seen: list[bool] = []
-
-    def load(found, skip, block_ids):
-        seen.append(BACKGROUND_WORK.busy)
-        burn_cpu(0.1)
-        BACKGROUND_WORK.pace()
-        return Tier.REMOTE
-
-    queue = TransferQueue(load, 1, TransferStats(), yields=lambda found: found.tier is not Tier.REMOTE)
-    BACKGROUND_WORK.engine_computes(True)
-    try:
-        chunk = FoundChunk(Tier.REMOTE, ChunkSpan(b"ns", 0, (b"h",), (1,)))
-        done = queue.submit("r1", chunk, 0, [0], False, pace_until=None)
-        assert done.future.result(timeout=60) is Tier.REMOTE
-        assert seen == [True]
-        wait_until(lambda: not BACKGROUND_WORK.busy)
-    finally:
-        BACKGROUND_WORK.engine_computes(False)
-        queue.close()
-
-
-def test_a_task_counted_until_done_counts_from_its_submission_while_it_waits_its_turn():
-    """A fleet load waiting for its turn behind another already counts: no step starts at every thread just
-    before its burst."""
-    work = BackgroundWork()
-    pool = work.pool(1, "test-paced", paced=True)
-    release = threading.Event()
-    try:
-        work.engine_computes(True)
-        first = pool.submit(release.wait, 30)
-        assert not work.busy  # a paced task that yields does not count
-        queued = pool.submit(lambda: None)
-        work.count_until_done(queued)
-        assert work.busy and work.awaited  # queued behind the first, not started, and counted already
-        release.set()
-        first.result(timeout=30)
-        queued.result(timeout=30)
-        wait_until(lambda: not work.busy)  # its count ends in a done-callback, which may run after result()
-    finally:
-        release.set()
-        work.engine_computes(False)
+        if lender is not None:
+            lender.stop()
+            work.engine_computes(False)
         pool.shutdown(wait=True)
 
 

@@ -14,6 +14,7 @@ from fake_clock import FakeClock
 from redis_fixtures import RedisFactory, RedisServer
 
 from kvtierd.storage.circuit_breaker import CircuitBreaker
+from kvtierd.storage.codecs import SLICE_BYTES
 from kvtierd.storage.geometry import KVGeometry
 from kvtierd.storage.kv_frame import decode_frame, encode_frame
 from kvtierd.storage.redis_keyspace import RedisKeyspace
@@ -169,6 +170,21 @@ def test_a_value_tampered_in_redis_is_refused_removed_and_counted(empty_redis: R
         assert not raw.exists(name_of(store, chunk_key))
     stats = store.stats()
     assert (stats.num_corrupt, stats.num_hits, stats.num_quarantined, stats.healthy) == (1, 1, 0, True)
+
+
+def test_a_read_calls_between_after_the_get_and_between_slices_of_the_tag_check(empty_redis: RedisServer,
+                                                                               store: RedisStore) -> None:
+    """A paced load yields in `between`; the value it reads is the same, and a tampered one is still refused."""
+    big = value(1, 3 * SLICE_BYTES)
+    store.put_many([(key(1), big)])
+    calls: list[int] = []
+    assert store.get_many([key(1)], lambda: calls.append(1)) == [big]
+    assert len(calls) == 1 + 3  # after the GET, then after each MiB of the tag's hash
+    with empty_redis.client() as raw:
+        sealed = bytearray(raw.get(name_of(store, key(1))))
+        sealed[-1] ^= 0x01
+        raw.set(name_of(store, key(1)), bytes(sealed))
+    assert store.get_many([key(1)], lambda: None) == [None]
 
 
 def test_a_value_sealed_under_another_secret_is_refused(empty_redis: RedisServer) -> None:

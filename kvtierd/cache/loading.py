@@ -58,8 +58,9 @@ log = logging.getLogger(__name__)
 
 # Loads yield to the running requests' steps (tiers/background_work.py) during this share of the time from the
 # request's arrival to its deadline, and go at full speed after it: paced for as long as the deadline allowed, a
-# slow fleet load ran past it and its request recomputed in full chunks (`bench stall`: 0.8 s steps).
-PACED_DEADLINE_SHARE = 0.5
+# slow fleet load ran past it and its request recomputed in full chunks (`bench stall`: 0.8 s steps). At half, a
+# fleet load within the steps' lends (0.8-1 s on 2 cores, its deadline ~1.8 s) ran its last chunks beside them.
+PACED_DEADLINE_SHARE = 0.8
 
 
 @dataclass(eq=False, slots=True)

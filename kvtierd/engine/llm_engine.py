@@ -33,7 +33,7 @@ from kvtierd.model.detokenizer import IncrementalDetokenizer
 from kvtierd.model.loader import LoadedModel
 from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.geometry import KVGeometry
-from kvtierd.tiers.background_work import BACKGROUND_WORK
+from kvtierd.tiers.background_work import BACKGROUND_WORK, LEND_SHARE
 from kvtierd.tiers.tier_manager import TierManager
 from kvtierd.tiers.tier_stats import TierStats
 
@@ -305,15 +305,27 @@ class LLMEngine:
             if self.scheduler.loading:  # nothing to compute until a load arrives: wait for one, not spin
                 self.kv.wait_for_loads()
             return rejected
+        lent_s = self._lend()
         threads = self.step_threads.before_step(lambda: self.step_cost.current.seconds(plan.shape))
         t1 = time.perf_counter()
         sample_idx, logits = self.runner.execute(plan)
         t2 = time.perf_counter()
         outputs = rejected + self._advance(plan, sample_idx, logits)
         t3 = time.perf_counter()
-        self.step_cost.observe(plan.shape, t3 - t0)
-        self.last_step = StepStats(plan.num_tokens, len(plan.scheduled), t2 - t1, t3 - t0, threads)
+        self.step_cost.observe(plan.shape, t3 - t0 - lent_s)
+        self.last_step = StepStats(plan.num_tokens, len(plan.scheduled), t2 - t1, t3 - t0 - lent_s, threads)
         return outputs
+
+    def _lend(self) -> float:
+        """Lends paced loads LEND_SHARE of the last step's time, after scheduling and before the forward, never
+        beside it (tiers/background_work.py); returns the seconds it waited. A load that lands in it is admitted
+        by the next step's scheduling, which lends nothing if no other load is left: the step in which a long
+        context's first token joins the batch, the longest of a load's window, is not lengthened too."""
+        if self.last_step is None:
+            return 0.0
+        t = time.perf_counter()
+        BACKGROUND_WORK.lend(LEND_SHARE * self.last_step.total_s)
+        return time.perf_counter() - t
 
     def _recompute_s(self, tokens: int) -> float:
         seconds = self.step_cost.current.prefill_seconds(tokens, self.config.max_num_batched_tokens)

@@ -11,20 +11,19 @@ background work is pending, a step leaves it one core; steps go back to every
 thread when it is done. The lower tiers' writes mostly wait for the engine's
 idle spells instead (tiers/background_work.py); waiting, they are not pending,
 so only one that runs (past its deferral bound, or started in an idle spell a
-request then ended) takes the step's core. Loads from the host and a raw
-disk tier are not counted: they are paced (a share of one core, in slices
-between which they sleep), and a step keeps every thread beside them; a
-fleet load (its work in one piece) counts.
+request then ended) takes the step's core. Loads are not counted: they
+are paced (in slices, within the time the engine lends them between its
+steps), and a step keeps every thread.
 
 A long step (LONG_STEP_S, as the step-cost fit predicts it) keeps every
 thread beside stores all the same: a store's burst (a chunk's encode) costs
 it about its own few ms at every thread, and half the step's length at one.
 With a store's encode pending as it started, a 2,048-token prefill ran at one
 thread for 2.4 s instead of 1.2, and the streams beside it waited all that
-time (`bench stall`, slow Redis). Work a request waits for (a fleet load, a
-prefetch's copy: `awaited`) gets its core whatever the step: beside a long
-step at every thread, the first fleet load after a start took long enough
-that the restore planner chose recomputing for every load after it.
+time (`bench stall`, slow Redis). Work a request waits for (a prefetch's
+copy: `awaited`) gets its core whatever the step: beside a long step at
+every thread, the first fleet load after a start (counted then) took long
+enough that the restore planner chose recomputing for every load after it.
 
 OpenMP keeps the thread count per calling thread: `before_step` is called on
 the thread that runs the step.

@@ -107,7 +107,7 @@ def _families(eng: LLMEngine, server: ServerCounters, uptime_s: float) -> Iterat
     yield GaugeMetricFamily("kvtierd_engine_last_step_tokens", "Tokens computed in the last engine step.",
                             step.num_tokens if step else 0)
     yield GaugeMetricFamily("kvtierd_engine_last_step_threads", "torch threads the last engine step computed with: "
-                            "one fewer while the KV tiers' loads, stores or prefetches ran.", step.threads if step else 0)
+                            "one fewer while the KV tiers' stores or prefetches ran.", step.threads if step else 0)
 
     yield from _qos(eng)
     yield from _lower_tiers(eng)

@@ -43,10 +43,6 @@ class Admission(enum.Enum):
 class TierBackend(Protocol):
     tier: Tier
     counts: TierCounts  # what its loads, stores and checks did (the manager counts hits and prefetches)
-    # Its loads yield to the steps between a chunk's layers (a raw copy, hashed as it goes: tiers/background_work.py
-    # paces them); False: a load's work comes in one piece (a GET, its HMAC and a decode), so it takes a core of
-    # its own instead (counted: the steps leave it one).
-    loads_yield: bool
 
     def usable(self) -> bool:
         """Whether it can be asked now (its store works, its keys are known)."""

@@ -21,21 +21,25 @@ Shutting a pool down, or `hurry` (a caller about to wait for them), lets
 the waiting tasks start at once. Loads and prefetches never wait: a request
 waits for them.
 
-Loads are paced instead (`pool(..., paced=True)`): they do not count, so a
-step keeps every thread. While an engine computes for running requests, the
-loads run one at a time (a chunk each turn), and each sleeps between slices
-of its work (`pace`, called between a chunk's layers) so that together they
-take about PACED_SHARE (a seventh) of one core. Counted, a load made the steps
-run at one thread for its 100-200 ms, and two loads side by side took both cores: the
-streams' steps ran 1.5-4x their time (`kvtierd bench stall`, 2 cores). Paced,
-a load takes longer and only its own request waits for it. A load whose
-work cannot yield (a fleet value's GET, HMAC and decode, in one piece) is
-counted instead, from its submission (`count_until_done`), and does not
-pace; still one at a time. For an engine that computes nothing
-else (a lone restore) loads run at full speed, side by side.
+Loads are paced instead (`paced_pool`): they do not count, so a step keeps
+every thread, and while an engine computes for running requests they never
+run beside its forward. Once a step is scheduled, the engine lends the loads
+LEND_SHARE of its last step's time (`lend`) and waits meanwhile; a load
+works in slices (a layer's copy, a MiB of hashing or decoding, one read),
+calling `pace` between them, and starts a slice only while a lend has room
+for it.
+The streams' gaps grow by that share and no more: work that ran beside a
+step cost it far more than its own time, the step's threads waiting for
+the one that lost its core (loads paced at a seventh of a core beside the
+steps: 1.25-1.66x the streams' ITL p99 in `bench stall`'s disk scenario;
+counted, a load made the steps run at one thread: 1.5-4x). While an engine
+computes, loads run one at a time (a chunk each turn); past its bound (a
+share of its request's deadline) a load runs in one piece beside the
+steps, and for an engine that computes nothing else (a lone restore) loads
+run at full speed, side by side.
 
-Work a request waits for (a fleet load, a prefetch's copy) is `awaited`:
-a step always leaves it a core. Stores are not: a step the engine predicts
+Work a request waits for (a prefetch's copy) is `awaited`: a step always
+leaves it a core. Stores are not: a step the engine predicts
 long keeps every thread beside them (engine/step_threads.py), and a store
 waiting on its store (a chunk's SET or LMDB put: `waiting`) stops counting
 once that wait has lasted COUNTED_WAIT_S, until it ends. A slow Redis held
@@ -56,17 +60,17 @@ import torch
 # gap between one request's end and the next one's steps (a chat's next turn sent on the reply, a busy
 # daemon's next request) is shorter than this; an idle spell worth the name is longer.
 IDLE_SPELL_S = 0.1
-# The share of one core paced loads take together while an engine computes for running requests. Any work beside
-# a step costs it more than its share: a thread paced at 30% of a core, copying or hashing alike, took three
-# decoding streams' steps from 16-18 ms to 26-30 (probe, 2 cores), a step's threads waiting for the one that
-# lost its core. Measured with `bench stall` (Zen 5, 2 cores; the streams' ITL p99 during a disk load over
-# without it): 0.35 gave 1.46x at a TTFT of 648 ms, 0.5 2.43x (667 ms); counted loads, 3.39x (548 ms). Once the
-# join step (a long context's first token beside the streams) was no longer most of the window (the decode
-# kernel's touch pass; a Xeon with AMX, 2 cores), 0.15 gave 1.25-1.66x over six runs (median 1.48; TTFT 503-635
-# ms, 3.5x faster than recomputing), 0.2 1.57x (446 ms), 0.35 1.56x and 1.58x (387 and 328 ms): the run-to-run
-# spread is as wide as the gain. A disk load's ~40 ms of CPU spreads over ~600 ms; its own request waits longer
-# (a lone restore, not paced, does not).
-PACED_SHARE = 0.15
+# The share of its last step's time an engine that computes lends to paced loads before each forward (`lend`): a
+# stream's inter-token gap grows by about this much while a load runs. Work beside a step costs it more than its own
+# time: a thread paced at 30% of a core, copying or hashing alike, took three decoding streams' steps from 16-18 ms
+# to 26-30 (probe, 2 cores), the step's threads waiting for the one that lost its core; loads that ran beside the
+# steps at a seventh of a core gave 1.25-1.66x the streams' ITL p99 in `bench stall`'s disk scenario. Lent, a
+# load's window holds steps of their own length plus the lend (`bench stall`, 2 cores: 0.2 and 0.3 gave the same
+# TTFTs, the slices' own length and the room rule setting the pace more than the share).
+LEND_SHARE = 0.3
+# A lending step waits this long at most for a slice that runs as its lend ends (a slice is one layer's copy, one
+# read of a value): a bound, so that a slice stuck on something (a disk that stopped answering) never holds it.
+SLICE_WAIT_S = 0.05
 # A store's wait on its store counts this long, then no more until it ends: a SET or a put on this host takes a
 # few ms of the store's own CPU, and one through a slow network holds no core.
 COUNTED_WAIT_S = 0.02
@@ -83,13 +87,21 @@ class BackgroundWork:
         self._lock = threading.Lock()
         self._gate = threading.Condition(self._lock)  # notified when the engines go idle or a pool shuts down
         self._pending = 0  # tasks counted and not ended
-        self._awaited = 0  # of them, work a request waits for (`counted`, `count_until_done`)
+        self._awaited = 0  # of them, work a request waits for (`counted`)
         self._deferred = 0  # tasks waiting for the engines' idle spells
         self._engines_with_steps = 0
-        self._engines_computing = 0  # engines with running requests: paced tasks slow down for them
-        self._paced_until = float("-inf")  # monotonic: paced tasks sleep until then after their last slice
-        self._paced = threading.local()  # on a paced task's thread: `.cpu_mark`, its CPU time at its last pace
+        self._engines_computing = 0  # engines with running requests: paced tasks run within their lends
+        # On a paced task's thread: `.until`, its bound (None: none; False: not a paced task); `.slicing`; `.first`,
+        # whether its slice is its task's first; `.began`, when it began; `.first_s` and `.last_s`, how long the
+        # thread's last first slice and last later slice took.
+        self._paced = threading.local()
         self._paced_turn = threading.Lock()  # paced tasks run one at a time while an engine computes
+        self._lent_until = float("-inf")  # monotonic: paced tasks may start slices until then (`lend`)
+        self._paced_queued = 0  # paced tasks submitted that have not asked for their first slice yet
+        self._paced_asking = 0  # paced tasks waiting for a lend to start a slice
+        self._slicing = 0  # paced tasks inside a slice they waited for: the lending step waits for it to end
+        self._lend_sliced = False  # a slice started in the open lend
+        self._lend_declined = False  # a paced task's next slice would not fit in the open lend: it ends
         self._idle_since = float("-inf")  # monotonic time the engines last went idle
         self._task = threading.local()  # `.store` True on a thread running a counted store's task
         self._waits: dict[int, float] = {}  # thread id -> monotonic start of its wait on a store (counted tasks)
@@ -97,7 +109,7 @@ class BackgroundWork:
 
     @property
     def awaited(self) -> bool:
-        """Work a request waits for is pending (a fleet load, a prefetch's copy up)."""
+        """Work a request waits for is pending (a prefetch's copy up)."""
         return self._awaited > 0
 
     @property
@@ -133,35 +145,81 @@ class BackgroundWork:
             if not self._engines_computing:
                 self._gate.notify_all()
 
-    def pace_until(self, until: float | None) -> None:
-        """The paced task on this thread sleeps no more once monotonic `until` has passed (None: no bound): a
-        load must arrive well within its deadline, or its request recomputes."""
-        self._paced.until = until
-
     def pace(self) -> None:
-        """Called by a paced task between slices of its work: while an engine computes, sleeps so that paced
-        tasks together use about PACED_SHARE of a core (the CPU time of its slice, times what that leaves to
-        the steps), up to its `pace_until`. Anywhere else (the step thread, a tool) it does nothing."""
-        mark = getattr(self._paced, "cpu_mark", None)
-        if mark is None:
+        """Called by a paced task between slices of its work: while an engine computes, its slice ends, and the
+        next one starts within a lend (at once if the lend is still open), up to its bound. Anywhere
+        else (the step thread, a tool) it does nothing."""
+        if getattr(self._paced, "until", False) is False:
             return
-        used = time.thread_time() - mark
-        until = self._paced.until
         with self._lock:
-            now = time.monotonic()
-            if self._yields(until, now):
-                self._paced_until = max(self._paced_until, now) + used * (1 / PACED_SHARE - 1)
-                wake = self._paced_until if until is None else min(self._paced_until, until)
-                while self._engines_computing and (now := time.monotonic()) < wake:
-                    self._gate.wait(wake - now)
-        self._paced.cpu_mark = time.thread_time()
+            self._end_slice()
+            self._begin_slice()
 
     def pacing(self) -> bool:
-        """Whether the paced task on this thread yields now (`pace` would sleep): its work goes in slices then,
-        and in one piece otherwise."""
-        if getattr(self._paced, "cpu_mark", None) is None:
+        """Whether the paced task on this thread yields now (`pace` would wait for a lend): its work goes in
+        slices then, and in one piece otherwise."""
+        until = getattr(self._paced, "until", False)
+        return until is not False and self._yields(until, time.monotonic())
+
+    @property
+    def wants_lend(self) -> bool:
+        """Paced tasks are queued or asking for a slice while an engine computes: a `lend` would run them."""
+        return bool((self._paced_queued or self._paced_asking) and self._engines_computing)
+
+    def lend(self, seconds: float) -> None:
+        """On the step thread of an engine that computes, before a forward: paced tasks run slices of their
+        work for up to `seconds` while this thread waits. Returns at once when none is queued or asking for a
+        slice, and early once none is left or the next would not fit (`_begin_slice`). A slice running as the
+        lend ends is waited for, SLICE_WAIT_S at most."""
+        with self._lock:
+            if seconds <= 0 or not self.wants_lend:
+                return
+            self._lent_until = end = time.monotonic() + seconds
+            self._lend_sliced = self._lend_declined = False
+            self._gate.notify_all()
+            while (now := time.monotonic()) < end:
+                if not self._slicing and (self._lend_declined or not (self._paced_queued or self._paced_asking)):
+                    break
+                self._gate.wait(end - now)
+            self._lent_until = float("-inf")
+            end = time.monotonic() + SLICE_WAIT_S
+            while self._slicing and (now := time.monotonic()) < end:
+                self._gate.wait(end - now)
+
+    def _begin_slice(self, first: bool = False) -> None:
+        """Under the lock, on a paced task's thread: while it yields, waits for a lend with room for its next
+        slice, and then counts as slicing (the lend waits for its slice to end). A slice is expected to take as
+        long as the thread's last one of its kind: a task's `first` (its read: a GET, a disk value) or a later
+        one (a layer's copy, a MiB of work); the lend's first slice always has room. A slice that would not fit
+        ends the lend: started, it would hold the step past it (a GET started at a lend's end held it 3-5 ms)."""
+        until = self._paced.until
+        self._paced.first = first
+        self._paced_asking += 1
+        while self._yields(until, now := time.monotonic()) and not self._fits(now):
+            if now < self._lent_until:
+                self._lend_declined = True
+            self._gate.notify_all()  # the lend ends early: nothing more to run in it
+            self._gate.wait(None if until is None else until - now)
+        self._paced_asking -= 1
+        self._paced.slicing = self._yields(until, now := time.monotonic())
+        self._slicing += self._paced.slicing
+        self._lend_sliced |= self._paced.slicing
+        self._paced.began = now
+
+    def _fits(self, now: float) -> bool:
+        """A lend is open and has room for this thread's next slice."""
+        if now >= self._lent_until or self._lend_declined:
             return False
-        return self._yields(self._paced.until, time.monotonic())
+        expected = getattr(self._paced, "first_s" if self._paced.first else "last_s", 0.0)
+        return not self._lend_sliced or self._lent_until - now >= expected
+
+    def _end_slice(self) -> None:
+        """Under the lock, on a paced task's thread: its slice (if it was one) ends."""
+        if getattr(self._paced, "slicing", False):
+            self._paced.slicing = False
+            setattr(self._paced, "first_s" if self._paced.first else "last_s", time.monotonic() - self._paced.began)
+            self._slicing -= 1
+            self._gate.notify_all()
 
     def _yields(self, until: float | None, now: float) -> bool:
         """A paced task bound by `until` yields at monotonic `now`: an engine computes, and its bound is ahead."""
@@ -200,21 +258,15 @@ class BackgroundWork:
             with self._lock:
                 del self._waits[me]
 
-    def count_until_done(self, future: Future) -> None:
-        """Counts a submitted task from now until it ends (or is cancelled): a paced pool's task that cannot
-        yield, counted from its submission so that no step starts at every thread just before it runs."""
-        self._add(1, awaited=True)
-        future.add_done_callback(lambda _: self._add(-1, awaited=True))
-
-    def pool(self, max_workers: int, thread_name_prefix: str, defer_s: float = 0.0,
-             paced: bool = False) -> ThreadPoolExecutor:
-        """A worker pool whose tasks count; with `defer_s` > 0, each yields to steps for up to that long;
-        `paced`, its tasks do not count and are paced (`pace`) while an engine computes."""
-        if paced:
-            return _PacedPool(self, max_workers, thread_name_prefix)
+    def pool(self, max_workers: int, thread_name_prefix: str, defer_s: float = 0.0) -> ThreadPoolExecutor:
+        """A worker pool whose tasks count; with `defer_s` > 0, each yields to steps for up to that long."""
         if defer_s > 0:
             return _DeferringPool(self, max_workers, thread_name_prefix, defer_s)
         return _CountedPool(self, max_workers, thread_name_prefix)
+
+    def paced_pool(self, max_workers: int, thread_name_prefix: str) -> PacedPool:
+        """A worker pool whose tasks do not count and, while an engine computes, run in slices within its lends."""
+        return PacedPool(self, max_workers, thread_name_prefix)
 
     def _add(self, n: int, awaited: bool = False) -> None:
         with self._lock:
@@ -271,22 +323,49 @@ class _CountedPool(ThreadPoolExecutor):
             return fn(*args, **kwargs)
 
 
-class _PacedPool(ThreadPoolExecutor):
+class PacedPool(ThreadPoolExecutor):
+    """Its tasks do not count; while an engine computes they take turns and run in slices within its lends."""
+
     def __init__(self, work: BackgroundWork, max_workers: int, thread_name_prefix: str) -> None:
         super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=single_threaded)
         self._work = work
 
     def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
-        return super().submit(self._paced, fn, args, kwargs)
+        return self.submit_paced(None, fn, *args, **kwargs)
 
-    def _paced(self, fn: Callable, args: tuple, kwargs: dict) -> object:
+    def submit_paced(self, until: float | None, fn: Callable, /, *args, **kwargs) -> Future:
+        """A task that runs within lends until monotonic `until` (None: no bound), and in one piece after it."""
+        work = self._work
+        with work._lock:
+            work._paced_queued += 1
+        started = threading.Event()
+        try:
+            future = super().submit(self._paced, started, until, fn, args, kwargs)
+        except BaseException:  # shut down: nothing was queued
+            self._unqueue()
+            raise
+        future.add_done_callback(lambda _: None if started.is_set() else self._unqueue())  # cancelled unstarted
+        return future
+
+    def _unqueue(self) -> None:
+        with self._work._lock:
+            self._work._paced_queued -= 1
+            self._work._gate.notify_all()
+
+    def _paced(self, started: threading.Event, until: float | None, fn: Callable, args: tuple, kwargs: dict) -> object:
         work = self._work
         with work._paced_turn if work._engines_computing else nullcontext():
-            work._paced.cpu_mark, work._paced.until = time.thread_time(), None
+            work._paced.until = until
+            with work._lock:
+                started.set()
+                work._paced_queued -= 1
+                work._begin_slice(first=True)
             try:
                 return fn(*args, **kwargs)
             finally:
-                work._paced.cpu_mark = None
+                with work._lock:
+                    work._end_slice()
+                work._paced.until = False
 
 
 class _DeferringPool(ThreadPoolExecutor):

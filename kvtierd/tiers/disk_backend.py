@@ -9,13 +9,13 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtierd.storage.codecs import Buffer
+from kvtierd.storage.codecs import Between, Buffer, no_pause
 from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.kv_frame import ChunkIdentity, claimed_identity, decode_frame, encode_frame
 from kvtierd.storage.store_errors import CorruptValueError, StoreUnavailableError
 from kvtierd.tiers.chunk import ChunkSpan
 from kvtierd.tiers.epoch import Epoch
-from kvtierd.tiers.frame_pages import RAW_CODEC, scatter_frame, tensor_bytes, writable
+from kvtierd.tiers.frame_pages import scatter_frame, tensor_bytes, writable
 from kvtierd.tiers.page_copy import PageCopier
 from kvtierd.tiers.tier import Tier
 from kvtierd.tiers.tier_stats import Reconciliation, TierCounts
@@ -30,10 +30,6 @@ class DiskBackend(WriterBackend):
                  counts: TierCounts, transfer_stats: TransferStats, defer_s: float = 0.0) -> None:
         super().__init__(store, codec, max_pending_bytes, pages, counts, transfer_stats, defer_s)
         self._epoch = epoch
-
-    @property
-    def loads_yield(self) -> bool:
-        return self.codec == RAW_CODEC  # another codec decodes a value in one piece
 
     def usable(self) -> bool:
         return self.writer.failure is None
@@ -55,7 +51,7 @@ class DiskBackend(WriterBackend):
     def _holds(self, key: bytes) -> bool:
         return self.writer.has(key)
 
-    def _get(self, key: bytes) -> Buffer | None:
+    def _get(self, key: bytes, between: Between = no_pause) -> Buffer | None:
         return self.writer.call(lambda: self.storage.get_many([key])[0], None)
 
     def load(self, span: ChunkSpan, skip: int, block_ids: Sequence[int]) -> bool:

@@ -9,6 +9,7 @@ import torch
 from kvtierd.storage.codecs import Buffer
 from kvtierd.storage.kv_frame import ChunkIdentity, check_frame_head, decode_frame
 from kvtierd.storage.store_errors import CorruptValueError
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.page_copy import PageCopier
 
 RAW_CODEC = "raw"
@@ -32,7 +33,7 @@ def scatter_frame(pages: PageCopier, value: torch.Tensor, identity: ChunkIdentit
     if not decode:
         return "codec"
     try:
-        chunk = decode_frame(value.numpy(), identity)  # checks the payload's checksum itself
+        chunk = decode_frame(value.numpy(), identity, BACKGROUND_WORK.pace)  # checks the payload's checksum itself
     except CorruptValueError as e:
         return e.check
     scatter_payload(pages, writable(chunk.payload), identity.num_pages, skip, block_ids)

@@ -37,7 +37,6 @@ MAX_HASH_BYTES = 32  # the longest block hash (sha256): host slots fit a chunk o
 
 class HostBackend:
     tier = Tier.HOST
-    loads_yield = True
 
     def __init__(self, capacity_bytes: int, chunk_pages: int, pages: PageCopier, epoch: Epoch,
                  counts: TierCounts, transfer_stats: TransferStats) -> None:

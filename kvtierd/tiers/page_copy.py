@@ -82,7 +82,7 @@ class PageCopier:
                 v[first : first + n].copy_(kv[layer, 1, skip + at : skip + at + n], non_blocking=True)
             if payload is not None:
                 hasher.update(payload[layer * per_layer : (layer + 1) * per_layer])
-            BACKGROUND_WORK.pace()  # a load on a transfer worker yields to the steps between layers
+            BACKGROUND_WORK.pace()  # a load on a transfer worker works a layer at a time, between steps
         if dev.device.type == "cuda":
             torch.cuda.current_stream(dev.device).synchronize()  # the source may be rewritten once we return
         return hasher.intdigest()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtierd.storage.codecs import Buffer
+from kvtierd.storage.codecs import Between, Buffer, no_pause
 from kvtierd.storage.kv_frame import ChunkIdentity
 from kvtierd.storage.redis_store import RedisStore
 from kvtierd.tiers.chunk import ChunkSpan
@@ -27,7 +27,6 @@ from kvtierd.tiers.writer_backend import WriterBackend
 
 class RemoteBackend(WriterBackend):
     tier = Tier.REMOTE
-    loads_yield = False
 
     def __init__(self, store: RedisStore, codec: str, max_pending_bytes: int, pages: PageCopier,
                  counts: TierCounts, transfer_stats: TransferStats, defer_s: float = 0.0) -> None:
@@ -50,8 +49,8 @@ class RemoteBackend(WriterBackend):
     def _holds(self, key: bytes) -> bool:
         return self.fleet_epoch.knows(key)
 
-    def _get(self, key: bytes) -> Buffer | None:
-        return self.storage.get_many([key])[0]
+    def _get(self, key: bytes, between: Between = no_pause) -> Buffer | None:
+        return self.storage.get_many([key], between)[0]
 
     def _found(self, key: bytes) -> None:
         self.fleet_epoch.remember(key)  # the fleet has it: no need to send it back

@@ -81,8 +81,7 @@ class TierManager:
         self.planner = RestorePlanner()
         self.pins: dict[str, TierPin] = {}  # pin id -> what it holds below the device
         # Loads run here, off the engine's step: the cache manager submits them and collects them between steps.
-        self.transfers = TransferQueue(self.load, self.bytes_per_page, self.transfer_stats,
-                                       yields=self._load_yields)
+        self.transfers = TransferQueue(self.load, self.bytes_per_page, self.transfer_stats)
         # Finished turns' copies out of the device, off the step: one thread, in submission order, yielding to
         # steps like the writers it feeds (their pages stay referenced until then).
         self._store_copier = BACKGROUND_WORK.pool(1, "kvtierd-store-copy", config.store_defer_ms / 1e3)
@@ -158,10 +157,6 @@ class TierManager:
                     found.append(FoundChunk(b.tier, self._span(namespace, block_hashes, token_ids, pos, end)))
                     break
         return found
-
-    def _load_yields(self, found: FoundChunk) -> bool:
-        backend = self._by_tier.get(found.tier)
-        return backend is None or backend.loads_yield
 
     def load(self, found: FoundChunk, skip: int, block_ids: Sequence[int]) -> Tier | None:
         """Copies pages `skip`.. of a found chunk into the device pages `block_ids` (on a transfer worker: see

@@ -22,8 +22,9 @@ the copy ends (`reap`), so nothing else is written into them meanwhile. The
 caller owns the pages' references: this table only says when they may go.
 
 The workers are paced (tiers/background_work.py): while the engine computes
-for running requests, loads take turns, a chunk each, and yield a core to
-the steps between a chunk's layers.
+for running requests, loads take turns, a chunk each, and work in slices
+(a layer's copy, a MiB of hashing or decoding) only between its steps,
+within the time the engine lends them.
 
 Transfer times are recorded per tier and direction (`TransferStats`): loads
 here, stores by the tier manager (host) and the writers (disk, remote).
@@ -57,7 +58,6 @@ class ChunkLoad:
     high: bool  # the class the pages were taken for (they are released for it)
     future: Future  # its result: the Tier it counts for, or None (gone from its tier, or a failed check)
     waiters: set[str] = field(default_factory=set)
-    pace_until: float | None = None  # monotonic: it yields to the steps until then at most (None: no bound)
 
     @property
     def key(self) -> tuple[bytes, int]:
@@ -114,13 +114,11 @@ class TransferQueue:
     """The loads in flight and the worker threads that run them."""
 
     def __init__(self, load: Callable[[FoundChunk, int, Sequence[int]], Tier | None], bytes_per_page: int,
-                 stats: TransferStats, workers: int = TRANSFER_WORKERS,
-                 yields: Callable[[FoundChunk], bool] = lambda _: True) -> None:
+                 stats: TransferStats, workers: int = TRANSFER_WORKERS) -> None:
         self._load = load
-        self._yields = yields  # whether a chunk's load can yield to the steps (else it counts from submission)
         self._bytes_per_page = bytes_per_page
         self.num_workers = workers
-        self._pool = BACKGROUND_WORK.pool(workers, "kvtierd-transfer", paced=True)
+        self._pool = BACKGROUND_WORK.paced_pool(workers, "kvtierd-transfer")
         self._lookup_pool = ThreadPoolExecutor(max_workers=LOOKUP_WORKERS, thread_name_prefix="kvtierd-lookup",
                                                initializer=single_threaded)
         _start_threads(self._pool, workers)
@@ -144,15 +142,8 @@ class TransferQueue:
 
     def submit(self, waiter: str, found: FoundChunk, skip: int, block_ids: Sequence[int], high: bool,
                pace_until: float | None = None) -> ChunkLoad:
-        yields = self._yields(found)
-        # A load that cannot yield does not pace (its bound is already past): sleeping would only lengthen it.
-        load = ChunkLoad(found, skip, tuple(block_ids), high, Future(), {waiter},
-                         pace_until if yields else float("-inf"))
-        load.future = self._pool.submit(self._run, load)
-        if not yields:
-            # Counted from now, not from when a worker takes it: a step starting at every thread while it
-            # waits for its turn would run beside its burst (a 3-decode step took 80 ms).
-            BACKGROUND_WORK.count_until_done(load.future)
+        load = ChunkLoad(found, skip, tuple(block_ids), high, Future(), {waiter})
+        load.future = self._pool.submit_paced(pace_until, self._run, load)
         load.future.add_done_callback(self._notify)
         self._in_flight[load.key] = load
         return load
@@ -223,7 +214,6 @@ class TransferQueue:
 
     def _run(self, load: ChunkLoad) -> Tier | None:
         t0 = time.perf_counter()
-        BACKGROUND_WORK.pace_until(load.pace_until)
         tier = self._load(load.found, load.skip, load.block_ids)
         if tier is not None:
             self.stats.observe(load.found.tier, "load", time.perf_counter() - t0,

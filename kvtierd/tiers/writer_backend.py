@@ -6,11 +6,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from kvtierd.storage.codecs import Buffer
+from kvtierd.storage.codecs import Between, Buffer, no_pause
 from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.kv_frame import ChunkIdentity, decode_frame
 from kvtierd.storage.redis_store import RedisStore
 from kvtierd.storage.store_errors import CorruptValueError
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.backend import Admission
 from kvtierd.tiers.chunk import ChunkSpan
 from kvtierd.tiers.chunk_writer import ChunkWriter
@@ -49,8 +50,9 @@ class WriterBackend:
         """Stored or on its way, as far as this host can tell without asking much."""
         raise NotImplementedError
 
-    def _get(self, key: bytes) -> Buffer | None:
-        """The value under `key` as stored, None when it is not there (or the store failed)."""
+    def _get(self, key: bytes, between: Between = no_pause) -> Buffer | None:
+        """The value under `key` as stored, None when it is not there (or the store failed); `between`: called
+        between slices of the read's work (storage/codecs.py)."""
         raise NotImplementedError
 
     def _found(self, key: bytes) -> None:
@@ -61,11 +63,11 @@ class WriterBackend:
     def fetch(self, span: ChunkSpan) -> memoryview | None:
         """The chunk's decoded payload, checked; None when it is gone or bad (then quarantined)."""
         key = self.key(span.last_hash)
-        value = self._get(key) if key is not None else None
+        value = self._get(key, BACKGROUND_WORK.pace) if key is not None else None
         if value is None:
             return None
         try:
-            chunk = decode_frame(value, span.identity(self._geometry))
+            chunk = decode_frame(value, span.identity(self._geometry), BACKGROUND_WORK.pace)
         except CorruptValueError as e:
             self.quarantine(key, e.check, str(e))
             return None
