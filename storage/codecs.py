@@ -13,7 +13,7 @@ keeps zstd contexts per thread (a context is not thread-safe, and making one per
 call costs more than compressing a small chunk).
 
 Decoding takes a `between`, called after each SLICE_BYTES of its work: a load
-that may use the CPU only in slices (paced beside the engine's steps:
+that may use the CPU only in slices (between the engine's steps:
 kvtierd/tiers/background_work.py) waits there for its next one.
 """
 
