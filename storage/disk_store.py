@@ -53,7 +53,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -61,7 +61,7 @@ from typing import TypeVar
 import lmdb
 
 from kvtierd.storage.chunk_store import StoreStats
-from kvtierd.storage.map_reader import MapReader
+from kvtierd.storage.map_reader import MapReader, Waiting
 from kvtierd.storage.owner_shares import OwnerUsage, by_standing
 from kvtierd.storage.store_errors import StoreUnavailableError
 
@@ -159,7 +159,7 @@ class DiskStore:
         self._failure: str | None = None
         self._num_puts = self._num_gets = self._num_hits = 0
         self._num_evictions = self._num_rejected = self._num_corrupt = 0
-        self._reader = MapReader(self.path / "data.mdb")
+        self._reader = MapReader(self.path / "data.mdb", self._psize)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         self._check_keys(keys)
@@ -186,14 +186,15 @@ class DiskStore:
         self._touch(keys, values)
         return values
 
-    def read(self, key: bytes, use: Callable[[memoryview], T]) -> T | None:
+    def read(self, key: bytes, use: Callable[[memoryview], T], waiting: Waiting = nullcontext) -> T | None:
         """`use(value)` with the value in this thread's scratch buffer (writable, reused: a load decodes or
         copies straight from it into the device, with no buffer allocated per value); do not keep the
-        buffer. None on a miss."""
+        buffer. None on a miss. `waiting()` goes around the read from the disk when it takes no core
+        (`MapReader.into_scratch`)."""
         self._check_keys([key])
         with self._guard(), self._env.begin(buffers=True) as txn:
             view = txn.get(key, db=self._values)
-            value = None if view is None else self._reader.into_scratch(view)
+            value = None if view is None else self._reader.into_scratch(view, waiting)
         self._touch([key], [value])
         return None if value is None else use(value)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import signal
 import subprocess
@@ -9,6 +10,7 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +19,7 @@ from chunk_fixtures import CRASH_BATCH, crash_chunk, make_identity, make_payload
 
 from kvtierd.storage.disk_store import MAX_QUARANTINED, DiskStore
 from kvtierd.storage.kv_frame import decode_frame, encode_frame
+from kvtierd.storage.map_reader import _open_direct
 from kvtierd.storage.store_errors import CorruptValueError, StoreUnavailableError
 
 TESTS = Path(__file__).resolve().parent
@@ -51,6 +54,36 @@ def test_put_get_contains_delete(store: DiskStore) -> None:
     assert (stats.num_entries, stats.num_puts, stats.num_gets, stats.num_hits) == (2, 3, 3, 2)
     assert stats.healthy and stats.reason is None
     assert 0 < stats.bytes_used < stats.capacity_bytes == MAP_SIZE
+
+
+def test_a_large_value_is_read_with_direct_io_outside_the_callers_slice(store: DiskStore, tmp_path: Path) -> None:
+    """A load's read of a large value goes straight from the disk (no page cache), with the caller's `waiting`
+    around it; a small one (inside a leaf page) is copied from the map. Same bytes either way, on a fresh
+    store and after reopening it, at sizes that fill their last page exactly or not."""
+    if _open_direct(str(tmp_path / "data.mdb")) < 0:
+        pytest.skip("the file system under the test's directory has no direct I/O")
+    sizes = [100, 1000, 3000, 4096 - 16, 4096 * 3 - 16, 4096 * 3 - 15, 5 << 20]
+    assert store.put_many([(key(n), value(n, n)) for n in sizes])
+    waits: list[int] = []
+
+    @contextmanager
+    def waiting() -> Iterator[None]:
+        waits.append(1)
+        yield
+
+    for n in sizes:
+        waits.clear()
+        assert store.read(key(n), bytes, waiting) == value(n, n)
+        assert len(waits) == (n > 2048), n  # a value in overflow pages (past half a page) is read with direct I/O
+        # ... and the bytes used are that read's, in its page-aligned buffer (not a fallback's copy)
+        assert store.read(key(n), lambda v: isinstance(v.obj, mmap.mmap), waiting) == (n > 2048)
+    assert store.read(key(1), bytes, waiting) is None
+    store.close()
+    reopened = DiskStore(tmp_path, map_size=MAP_SIZE)
+    try:
+        assert reopened.read(key(5 << 20), bytes, waiting) == value(5 << 20, 5 << 20)
+    finally:
+        reopened.close()
 
 
 def test_a_key_given_twice_in_a_batch_keeps_its_last_value(store: DiskStore) -> None:

@@ -152,6 +152,43 @@ def test_a_lend_ends_at_its_time_and_waits_so_long_for_a_slice_that_runs_on():
         pool.shutdown(wait=True)
 
 
+def test_a_wait_that_takes_no_core_goes_on_between_lends_and_the_work_after_it_waits_for_one():
+    """A direct read from disk (`unsliced`) is no slice: it runs with no lend open and a lend does not wait for
+    it; what the task does after it waits for the next lend."""
+    work = BackgroundWork()
+    pool = work.paced_pool(1, "test-paced")
+    events: list[str] = []
+    in_read, read_done, after = threading.Event(), threading.Event(), threading.Event()
+
+    def load() -> None:
+        events.append("slice 1")
+        with work.unsliced():
+            in_read.set()
+            assert read_done.wait(30)
+        events.append("slice 2")
+        after.set()
+
+    work.engine_computes(True)
+    try:
+        task = pool.submit(load)
+        lend = threading.Thread(target=work.lend, args=(3600,))
+        lend.start()
+        assert in_read.wait(30)
+        lend.join(30)  # it ran slice 1 and returned once the task was in its read, not an hour later
+        assert not lend.is_alive() and events == ["slice 1"]
+        read_done.set()  # the read ends between lends
+        assert not after.wait(0.2)  # the work after it waits for a lend
+        work.lend(3600)
+        task.result(timeout=30)
+        assert events == ["slice 1", "slice 2"]
+    finally:
+        read_done.set()
+        work.engine_computes(False)
+        pool.shutdown(wait=True)
+    with work.unsliced():  # the step thread (or a tool): nothing to end or wait for
+        pass
+
+
 def test_pace_does_nothing_outside_a_paced_task():
     """The step thread (or a tool) copying pages through the same code never waits."""
     work = BackgroundWork()

@@ -14,6 +14,7 @@ from engine_runs import assert_same_output
 from test_tiers_engine import TOPICS, ask, push_out, tiered
 
 from kvtierd.engine.sampling_params import SamplingParams
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.config import TierConfig
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2)
@@ -81,6 +82,39 @@ def test_a_loading_request_waits_while_others_step_then_runs_with_the_same_outpu
         assert [r.request_id for r in engine.scheduler.loading] == [rid]
     assert steps_of_other >= PARAMS.max_tokens and engine.tiers.transfers.num_in_flight >= 2
     held.release()
+    warm = run_rest(engine, rid)
+    assert warm[0].cached_tokens_by_tier["host"] >= 64 and warm[0].restore.decision == "load"
+    assert_same_output(warm, cold_run(make_engine, prompt))
+    assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_a_load_that_lands_in_a_lend_is_indexed_there_and_its_request_joins_the_next_step(loaded, make_engine):
+    """While another request decodes, loads run only in the time the engine lends them before each forward. The
+    one that lands in a lend is collected right after it (indexed; its request queues), so the step that admits
+    it next does not index it too."""
+    tok = loaded.tokenizer
+    engine, prompt = prompt_below_the_device(make_engine, tok)
+    slow_prefill(engine)
+    held = HeldWorkers(engine)
+    rid = add_looked_up(engine, prompt)
+    other = engine.add_request(tok.encode("A short question about pages?"),
+                               SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
+    engine.step()
+    assert [r.request_id for r in engine.scheduler.loading] == [rid]
+    BACKGROUND_WORK.engine_computes(True)  # as the daemon's loop says while requests run: loads go in lends
+    try:
+        held.release()
+        while engine.scheduler.loading:
+            engine.step()
+            assert other in engine.requests, "the other request ended before the load landed"
+    finally:
+        BACKGROUND_WORK.engine_computes(False)
+    # It left `loading` after its step was planned, in that step's lend: queued, not yet running.
+    assert [r.request_id for r in engine.scheduler.waiting] == [rid]
+    assert rid not in {r.request_id for r in engine.scheduler.running}
+    engine.step()
+    assert rid in {r.request_id for r in engine.scheduler.running}
+    engine.abort_request(other)
     warm = run_rest(engine, rid)
     assert warm[0].cached_tokens_by_tier["host"] >= 64 and warm[0].restore.decision == "load"
     assert_same_output(warm, cold_run(make_engine, prompt))

@@ -196,7 +196,7 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         plan = StepPlan(rejected=self.waiting.timed_out(self.max_queue_s),
                         shed=self.waiting.shed_low(self.shed_low_after_s))
-        self._collect_loaded()
+        self.collect_loaded()
         room = _StepRoom(self.max_num_batched_tokens, self._top_class())
         first = self._make_room_for_waiting(plan, room.tokens)
         # Admitted before the running ones are served, or they would take the room just made (one of a class
@@ -453,10 +453,11 @@ class Scheduler:
             req.first_scheduled_time = time.monotonic()
         return True
 
-    def _collect_loaded(self) -> None:
+    def collect_loaded(self) -> None:
         """Requests whose loads arrived (or whose deadline passed) go back to the head of their queue. What
         they loaded is indexed now and they let go of every page: queued, a request holds none, like any
-        other. Its loaded prefix stays cached (used last, so evicted last) for its admission to adopt. Were
+        other. Call between steps (each schedule does first; the engine also right after lending the loads
+        time, so a load that landed in the lend is indexed there, not in the step that admits it). Its loaded prefix stays cached (used last, so evicted last) for its admission to adopt. Were
         the pages held until then, loaded requests could hold them all while the first one waits for one more
         page to compute its rest, and none would ever be admitted."""
         self.kv.reap_loads()

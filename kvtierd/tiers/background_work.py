@@ -27,7 +27,8 @@ run beside its forward. Once a step is scheduled, the engine lends the loads
 LEND_SHARE of its last step's time (`lend`) and waits meanwhile; a load
 works in slices (a layer's copy, a MiB of hashing or decoding, one read),
 calling `pace` between them, and starts a slice only while a lend has room
-for it.
+for it. A wait that takes no core (a direct read from disk) is no slice
+(`unsliced`): it goes on beside the steps.
 The streams' gaps grow by that share and no more: work that ran beside a
 step cost it far more than its own time, the step's threads waiting for
 the one that lost its core (loads paced at a seventh of a core beside the
@@ -155,6 +156,23 @@ class BackgroundWork:
             self._end_slice()
             self._begin_slice()
 
+    @contextmanager
+    def unsliced(self) -> Iterator[None]:
+        """Around a paced task's wait that takes no core (a direct read from disk: the disk writes the pages,
+        no thread copies them): its slice ends before the wait, which goes on beside the steps, and its next
+        slice starts after it, within a lend, as the task's first (what its read brought is first used then).
+        Elsewhere, or in a task that runs in one piece, it does nothing."""
+        if not getattr(self._paced, "slicing", False):
+            yield
+            return
+        with self._lock:
+            self._end_slice(timed=False)  # a part slice, not what its kind takes
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._begin_slice(first=True)
+
     def pacing(self) -> bool:
         """Whether the paced task on this thread yields now (`pace` would wait for a lend): its work goes in
         slices then, and in one piece otherwise."""
@@ -213,11 +231,14 @@ class BackgroundWork:
         expected = getattr(self._paced, "first_s" if self._paced.first else "last_s", 0.0)
         return not self._lend_sliced or self._lent_until - now >= expected
 
-    def _end_slice(self) -> None:
-        """Under the lock, on a paced task's thread: its slice (if it was one) ends."""
+    def _end_slice(self, timed: bool = True) -> None:
+        """Under the lock, on a paced task's thread: its slice (if it was one) ends; `timed`, its length is what
+        the next slice of its kind is expected to take."""
         if getattr(self._paced, "slicing", False):
             self._paced.slicing = False
-            setattr(self._paced, "first_s" if self._paced.first else "last_s", time.monotonic() - self._paced.began)
+            if timed:
+                setattr(self._paced, "first_s" if self._paced.first else "last_s",
+                        time.monotonic() - self._paced.began)
             self._slicing -= 1
             self._gate.notify_all()
 
@@ -334,34 +355,43 @@ class PacedPool(ThreadPoolExecutor):
         return self.submit_paced(None, fn, *args, **kwargs)
 
     def submit_paced(self, until: float | None, fn: Callable, /, *args, **kwargs) -> Future:
-        """A task that runs within lends until monotonic `until` (None: no bound), and in one piece after it."""
+        """A task that runs within lends until monotonic `until` (None: no bound), and in one piece after it.
+        Its future is done before its last slice ends: the lend that ran it to its end returns with its result
+        there to collect."""
         work = self._work
         with work._lock:
             work._paced_queued += 1
+        result: Future = Future()
         started = threading.Event()
         try:
-            future = super().submit(self._paced, started, until, fn, args, kwargs)
+            queued = super().submit(self._paced, started, result, until, fn, args, kwargs)
         except BaseException:  # shut down: nothing was queued
             self._unqueue()
             raise
-        future.add_done_callback(lambda _: None if started.is_set() else self._unqueue())  # cancelled unstarted
-        return future
+        result.add_done_callback(lambda _: None if started.is_set() else self._unqueue())  # cancelled unstarted
+        queued.add_done_callback(lambda f: result.cancel() if f.cancelled() else None)  # a shutdown cancelled it
+        return result
 
     def _unqueue(self) -> None:
         with self._work._lock:
             self._work._paced_queued -= 1
             self._work._gate.notify_all()
 
-    def _paced(self, started: threading.Event, until: float | None, fn: Callable, args: tuple, kwargs: dict) -> object:
+    def _paced(self, started: threading.Event, result: Future, until: float | None, fn: Callable, args: tuple,
+               kwargs: dict) -> None:
         work = self._work
         with work._paced_turn if work._engines_computing else nullcontext():
+            if not result.set_running_or_notify_cancel():
+                return  # cancelled while queued: it left the count then
             work._paced.until = until
             with work._lock:
                 started.set()
                 work._paced_queued -= 1
                 work._begin_slice(first=True)
             try:
-                return fn(*args, **kwargs)
+                result.set_result(fn(*args, **kwargs))
+            except BaseException as e:  # the caller's to see, as from any executor
+                result.set_exception(e)
             finally:
                 with work._lock:
                     work._end_slice()

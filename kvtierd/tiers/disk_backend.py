@@ -13,6 +13,7 @@ from kvtierd.storage.codecs import Between, Buffer, no_pause
 from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.kv_frame import ChunkIdentity, claimed_identity, decode_frame, encode_frame
 from kvtierd.storage.store_errors import CorruptValueError, StoreUnavailableError
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.chunk import ChunkSpan
 from kvtierd.tiers.epoch import Epoch
 from kvtierd.tiers.frame_pages import scatter_frame, tensor_bytes, writable
@@ -55,8 +56,8 @@ class DiskBackend(WriterBackend):
         return self.writer.call(lambda: self.storage.get_many([key])[0], None)
 
     def load(self, span: ChunkSpan, skip: int, block_ids: Sequence[int]) -> bool:
-        """Reads the value into the store's scratch buffer (one read of the file) and copies or decodes it from
-        there into the pages."""
+        """Reads the value into the store's scratch buffer (one read of the file, beside the steps: it takes no
+        core) and copies or decodes it from there into the pages."""
         key = self.key(span.last_hash)
         if key is None:
             return False
@@ -66,7 +67,7 @@ class DiskBackend(WriterBackend):
             return scatter_frame(self._pages, torch.frombuffer(value, dtype=torch.uint8), identity, skip, block_ids,
                                  decode=True)
 
-        outcome = self.writer.call(lambda: self.storage.read(key, scatter), None)
+        outcome = self.writer.call(lambda: self.storage.read(key, scatter, BACKGROUND_WORK.unsliced), None)
         if outcome is None:  # gone since the lookup, or the disk failed
             return False
         if outcome != "ok":
