@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 # slow fleet load ran past it and its request recomputed in full chunks (`bench stall`: 0.8 s steps). At half, a
 # fleet load within the steps' lends (0.8-1 s on 2 cores, its deadline ~1.8 s) ran its last chunks beside them.
 PACED_DEADLINE_SHARE = 0.8
+# A request's chunk loads submitted and not finished, at most: the next chunk's pages are taken (evicting what
+# they held, saved below first: ~1 ms a chunk on the step thread) as a load ends, not all at its start. A loaded
+# 2,560-token prompt's ten chunks, taken at once from a full pool, held one step 6-8 ms (`bench stall`).
+LOADS_AHEAD = 2
 
 
 @dataclass(eq=False, slots=True)
@@ -76,7 +80,7 @@ class LoadTicket:
     epoch: int  # the cache's invalidation count when it began
     started: float = 0.0  # monotonic: when its lookup, then its loads, began (its deadline counts from there)
     lookup: Future | None = None  # the lower tiers' lookup, until its answer started the loads
-    unstarted: list[FoundChunk] = field(default_factory=list)  # planned, no pages for the first yet: it waits
+    unstarted: list[FoundChunk] = field(default_factory=list)  # planned, not submitted yet (LOADS_AHEAD, pages)
     tokens_by_tier: dict[str, int] = field(default_factory=dict)  # filled by finish: tokens loaded, by tier
     chain_blocks: list[int] = field(default_factory=list)  # filled by finish: the indexed prefix, device + loaded
     chain_hashes: list[bytes] = field(default_factory=list)
@@ -159,7 +163,7 @@ class Loading:
         self._pool.touch(block_ids, high)  # before any allocation: they are idle, the allocation could take them
         t = LoadTicket(list(block_ids), list(block_hashes), [], NOTHING_BELOW, high, None, epoch, started=self._clock())
         self._start_loads(seq_id, t, below)
-        if not wait_for_pages:
+        if not wait_for_pages and not t.loads:
             t.unstarted = []
         if t.loads or t.unstarted:
             self._tickets[seq_id] = t
@@ -177,13 +181,14 @@ class Loading:
         self._submit_loads(seq_id, t)
 
     def _submit_loads(self, seq_id: str, t: LoadTicket) -> None:
-        """Submits the ticket's unstarted loads in chain order, as pages allow. With no pages for the first,
-        none starts and the ticket waits for pages until its deadline (without one it does not wait): a
-        request back from preemption finds the pages it lost below, but the others took the room it had.
-        Past a chunk with no pages, the rest is recomputed. Evicted pages are saved below before any load
-        writes into them."""
+        """Submits the ticket's unstarted loads in chain order, LOADS_AHEAD unfinished at a time, as pages
+        allow. With no pages for the first, none starts and the ticket waits for pages until its deadline
+        (without one it does not wait): a request back from preemption finds the pages it lost below, but the
+        others took the room it had. Past a chunk with no pages, the rest is recomputed. Evicted pages are
+        saved below before any load writes into them."""
         on_device = len(t.device_blocks)
-        for found in t.unstarted:
+        while t.unstarted and sum(not load.done for load in t.loads) < LOADS_AHEAD:
+            found = t.unstarted[0]
             skip = on_device - found.span.first_page if not t.loads else 0
             load = self._transfers.find(found, skip)
             if load is not None:
@@ -191,14 +196,15 @@ class Loading:
             else:
                 pages = self._pool.allocate(found.span.num_pages - skip, t.high)
                 if pages is None:
-                    break
+                    if t.loads or t.deadline is None:
+                        t.unstarted = []
+                    return
                 self._save_evicted()
                 pace_until = None if t.deadline is None else \
                     t.started + PACED_DEADLINE_SHARE * (t.deadline - t.started)
                 load = self._transfers.submit(seq_id, found, skip, pages, t.high, pace_until)
             t.loads.append(load)
-        if t.loads or t.deadline is None:
-            t.unstarted = []
+            t.unstarted.pop(0)
 
     def ready(self, seq_id: str) -> bool:
         """Its lookup answered and every load it started finished, or its deadline passed. Call between steps:
@@ -208,7 +214,7 @@ class Loading:
             found, t.lookup = _found(t.lookup), None
             if found:
                 self._start_loads(seq_id, t, found)
-        elif t.unstarted:  # waiting for pages: those freed since the last call are its first
+        elif t.unstarted:  # the next loads as the last ones end, or pages freed since the last call
             self._submit_loads(seq_id, t)
         if t.deadline is not None and self._clock() > t.deadline:
             return True
@@ -220,13 +226,13 @@ class Loading:
         steps."""
         t = self._tickets.pop(seq_id)
         blocks, hashes = list(t.device_blocks), list(t.device_hashes)
-        if t.lookup is not None or t.unstarted:  # its deadline passed while looking up or waiting for pages:
-            self._transfers.stats.loads_past_deadline += 1  # it computes everything past the device
+        # Its deadline passed while looking up, before all its loads were submitted, or before they ended: it
+        # computes what did not arrive.
+        late = t.lookup is not None or bool(t.unstarted) or not all(load.done for load in t.loads)
+        self._transfers.stats.loads_past_deadline += late
         for load in t.loads:
             tier = load.tier() if load.done else None
             if tier is None or epoch != t.epoch:
-                if not load.done:
-                    self._transfers.stats.loads_past_deadline += 1
                 break
             if not self._index(load, blocks, hashes):
                 break
@@ -300,7 +306,10 @@ def _found(lookup: Future) -> list[FoundChunk]:
 
 
 def _collectable(t: LoadTicket) -> bool:
-    """Whether `ready` would have news for it now: its lookup answered, or every load it needs landed."""
+    """Whether `ready` would have news for it now: its lookup answered, a load ended with more to submit, or
+    every load it needs landed."""
     if t.lookup is not None:
         return t.lookup.done()
-    return not t.unstarted and all(load.done for load in t.loads)
+    if t.unstarted:
+        return bool(t.loads) and sum(not load.done for load in t.loads) < LOADS_AHEAD
+    return all(load.done for load in t.loads)
