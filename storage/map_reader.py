@@ -15,8 +15,8 @@ out of the page cache, reads ahead past the value or fills the cache. Such a
 read takes no core while it waits, so a paced load waits for it outside its
 slices (`waiting`), beside the engine's steps; through the page cache, the
 copy, and the readahead that went on after the read returned, slowed the
-forward that followed (`bench stall`: 2-5 slowed steps a load at 16-19 ms,
-against 11-12). The read covers the value's whole pages, and its first page's
+forward that followed (a step log beside `bench stall`'s disk loads: 2-5
+forwards a load at 16-19 ms, against 11-12). The read covers the value's whole pages, and its first page's
 header must name it (LMDB's overflow page header: the page's number, the
 overflow flag, the run's length), or the value is read as below.
 

@@ -15,7 +15,8 @@ its deadline), not the others. A request's lookup starts when it arrives
 hit changed meanwhile, it looks up again. `begin` plans the chunks found below (the restore planner: load or recompute),
 takes fresh device pages for each chunk to load, or joins a load of the same
 chunk that another request started, and submits the rest to the tier
-manager's transfer workers. Meanwhile the request holds its device prefix
+manager's transfer workers, LOADS_AHEAD unfinished at a time (the next
+chunk's pages are taken as a load ends, `ready`). Meanwhile the request holds its device prefix
 pages and each load holds its destination pages, so neither is evicted or
 written; the engine goes on stepping the others. `finish` indexes the loaded
 pages in chain order (a page whose predecessor failed to load stays
