@@ -53,7 +53,7 @@ import threading
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -186,11 +186,11 @@ class DiskStore:
         self._touch(keys, values)
         return values
 
-    def read(self, key: bytes, use: Callable[[memoryview], T], waiting: Waiting = nullcontext) -> T | None:
+    def read(self, key: bytes, use: Callable[[memoryview], T], waiting: Waiting | None = None) -> T | None:
         """`use(value)` with the value in this thread's scratch buffer (writable, reused: a load decodes or
         copies straight from it into the device, with no buffer allocated per value); do not keep the
-        buffer. None on a miss. `waiting()` goes around the read from the disk when it takes no core
-        (`MapReader.into_scratch`)."""
+        buffer. None on a miss. Given `waiting`, the value is read with direct I/O, `waiting()` around the
+        read (`MapReader.into_scratch`)."""
         self._check_keys([key])
         with self._guard(), self._env.begin(buffers=True) as txn:
             view = txn.get(key, db=self._values)

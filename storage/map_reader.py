@@ -9,16 +9,21 @@ virtual disk). The pages cannot change under either: LMDB never rewrites a page
 that an open read transaction can see, and it writes with write() (no writable
 map), so the file and the map show the same bytes.
 
-A load's value (`into_scratch`) is read with direct I/O where the file system
-has it: the disk writes the pages into the buffer, and no thread copies them
-out of the page cache, reads ahead past the value or fills the cache. Such a
-read takes no core while it waits, so a paced load waits for it outside its
-slices (`waiting`), beside the engine's steps; through the page cache, the
-copy, and the readahead that went on after the read returned, slowed the
-forward that followed (a step log beside `bench stall`'s disk loads: 2-5
-forwards a load at 16-19 ms, against 11-12). The read covers the value's whole pages, and its first page's
-header must name it (LMDB's overflow page header: the page's number, the
-overflow flag, the run's length), or the value is read as below.
+A load that yields to the engine's steps (`into_scratch` given `waiting`)
+reads its value with direct I/O where the file system has it: the disk writes
+the pages into the buffer, and no thread copies them out of the page cache,
+reads ahead past the value or fills the cache. Such a read takes no core
+while it waits, so the load waits for it outside its slices (`waiting`),
+beside the steps; through the page cache, the copy, and the readahead that
+went on after the read returned, slowed the forward that followed (a step log
+beside `bench stall`'s disk loads: 2-5 forwards a load at 16-19 ms, against
+11-12). The read covers the value's whole pages, and its first page's header
+must name it (LMDB's overflow page header: the page's number, the overflow
+flag, the run's length), or the value is read as below. A load in one piece
+(nothing running beside it: a lone restore) reads through the page cache,
+which serves a warm file from memory and a cold one with readahead of the next
+value while this one is copied (direct, a 2,000-token turn's next turn in
+`bench tiers`: 79 ms against 73 warm, 97 against 94 cold).
 
 The file offset is the view's address minus the map's start, which py-lmdb does
 not expose: it is read from /proc/self/maps. Anything unexpected (no /proc, the
@@ -34,7 +39,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import numpy as np
@@ -63,10 +68,11 @@ class MapReader:
         self._copy_into(view, memoryview(out))
         return out
 
-    def into_scratch(self, view: memoryview, waiting: Waiting = nullcontext) -> memoryview:
+    def into_scratch(self, view: memoryview, waiting: Waiting | None = None) -> memoryview:
         """The value in one of this thread's scratch buffers (reused: no pages to zero), valid until this
-        thread's next call: read from the disk with direct I/O where it can be, `waiting()` around the read."""
-        direct = self._read_direct(view, waiting)
+        thread's next call. Given `waiting`, read from the disk with direct I/O where it can be, `waiting()`
+        around the read."""
+        direct = self._read_direct(view, waiting) if waiting is not None else None
         if direct is not None:
             return direct
         scratch: bytearray | None = getattr(self._local, "scratch", None)

@@ -57,9 +57,9 @@ def test_put_get_contains_delete(store: DiskStore) -> None:
 
 
 def test_a_large_value_is_read_with_direct_io_outside_the_callers_slice(store: DiskStore, tmp_path: Path) -> None:
-    """A load's read of a large value goes straight from the disk (no page cache), with the caller's `waiting`
-    around it; a small one (inside a leaf page) is copied from the map. Same bytes either way, on a fresh
-    store and after reopening it, at sizes that fill their last page exactly or not."""
+    """A paced load's read of a large value goes straight from the disk (no page cache), with the caller's `waiting`
+    around it; a small one (inside a leaf page), or one read without `waiting`, is copied as before. Same bytes either
+    way, on a fresh store and after reopening it, at sizes that fill their last page exactly or not."""
     if _open_direct(str(tmp_path / "data.mdb")) < 0:
         pytest.skip("the file system under the test's directory has no direct I/O")
     sizes = [100, 1000, 3000, 4096 - 16, 4096 * 3 - 16, 4096 * 3 - 15, 5 << 20]
@@ -78,6 +78,9 @@ def test_a_large_value_is_read_with_direct_io_outside_the_callers_slice(store: D
         # ... and the bytes used are that read's, in its page-aligned buffer (not a fallback's copy)
         assert store.read(key(n), lambda v: isinstance(v.obj, mmap.mmap), waiting) == (n > 2048)
     assert store.read(key(1), bytes, waiting) is None
+    # A read in one piece (no `waiting`) goes through the page cache.
+    assert store.read(key(5 << 20), lambda v: (bytes(v), isinstance(v.obj, mmap.mmap))) == \
+        (value(5 << 20, 5 << 20), False)
     store.close()
     reopened = DiskStore(tmp_path, map_size=MAP_SIZE)
     try:

@@ -454,12 +454,12 @@ class Scheduler:
         return True
 
     def collect_loaded(self) -> None:
-        """Requests whose loads arrived (or whose deadline passed) go back to the head of their queue. What
-        they loaded is indexed now and they let go of every page: queued, a request holds none, like any
-        other. Call between steps (each schedule does first; the engine also right after lending the loads
-        time, so a load that landed in the lend is indexed there, not in the step that admits it). Its loaded prefix stays cached (used last, so evicted last) for its admission to adopt. Were
-        the pages held until then, loaded requests could hold them all while the first one waits for one more
-        page to compute its rest, and none would ever be admitted."""
+        """Requests whose loads arrived (or whose deadline passed) go back to the head of their queue. What they
+        loaded is indexed now and they let go of every page: queued, a request holds none, like any other. Call
+        between steps (each schedule does first; the engine also right after lending the loads time, so a load that
+        landed in the lend is indexed there, not in the step that admits it). Its loaded prefix stays cached (used
+        last, so evicted last) for its admission to adopt. Were the pages held until then, loaded requests could hold
+        them all while the first one waits for one more page to compute its rest, and none would ever be admitted."""
         self.kv.reap_loads()
         for req in reversed([r for r in self.loading if self.kv.load_ready(r.request_id)]):  # in their order
             self.loading.remove(req)
