@@ -101,8 +101,8 @@ class MapReader:
         size = pages * self._page_size
         buffer: mmap.mmap | None = getattr(self._local, "aligned", None)  # anonymous maps start page-aligned
         if buffer is None or len(buffer) < size:
-            if buffer is not None:
-                buffer.close()
+            # The old one is dropped, not closed: closing a map a caller's view still holds raises; it is unmapped
+            # once the last view goes.
             buffer = self._local.aligned = mmap.mmap(-1, size)
         target = memoryview(buffer)[:size]
         try:

@@ -78,6 +78,12 @@ def test_a_large_value_is_read_with_direct_io_outside_the_callers_slice(store: D
         # ... and the bytes used are that read's, in its page-aligned buffer (not a fallback's copy)
         assert store.read(key(n), lambda v: isinstance(v.obj, mmap.mmap), waiting) == (n > 2048)
     assert store.read(key(1), bytes, waiting) is None
+    # A view a caller still holds survives a larger read that needs a larger buffer.
+    store.close()
+    store = DiskStore(tmp_path, map_size=MAP_SIZE)
+    kept = store.read(key(3000), lambda v: v, waiting)
+    assert store.read(key(5 << 20), bytes, waiting) == value(5 << 20, 5 << 20)
+    assert bytes(kept) == value(3000, 3000)
     # A read in one piece (no `waiting`) goes through the page cache.
     assert store.read(key(5 << 20), lambda v: (bytes(v), isinstance(v.obj, mmap.mmap))) == \
         (value(5 << 20, 5 << 20), False)
