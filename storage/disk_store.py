@@ -1,6 +1,6 @@
 """The disk tier: chunk values in one LMDB environment under a directory.
 
-Four sub-databases:
+Five sub-databases:
 
     values      key -> value (a kv_frame; opaque here)
     order       key -> <Q use sequence, Q charged bytes> + owner: the LRU order, read into memory at open;
@@ -10,6 +10,9 @@ Four sub-databases:
                 the value's transaction, deleted with it), so a value the catalog has lost is
                 found and removed at startup
     quarantine  key -> <Q time_ns, H reason length> + reason + the bad value
+    places      key -> <Q first page, Q length, Q hash of key and ends>: where a large value lies in data.mdb,
+                written and deleted with it (`storage/value_places.py`); a read goes to the file there,
+                and a value without one (written before places were kept) is read through LMDB's get
 
 Every batch is one write transaction, synced at commit: a batch is wholly there
 or wholly absent after kill -9 or a power cut, and a value is never torn.
@@ -61,9 +64,9 @@ from typing import TypeVar
 import lmdb
 
 from kvtierd.storage.chunk_store import StoreStats
-from kvtierd.storage.map_reader import MapReader, Waiting
 from kvtierd.storage.owner_shares import OwnerUsage, by_standing
 from kvtierd.storage.store_errors import StoreUnavailableError
+from kvtierd.storage.value_places import PlaceReader, ValuePlace, Waiting, place_of
 
 # Kept free: map_size // SLACK_RATIO, between MIN_SLACK_PAGES (each write copies a few tree
 # pages per sub-database, and the freed ones stay pinned for a transaction) and MAX_SLACK.
@@ -106,10 +109,10 @@ class DiskStore:
                 # The file's upper bound. It grows sparsely, so a large map costs no disk until used;
                 # an existing file larger than this keeps its size.
                 map_size=map_size,
-                max_dbs=4,  # values, order, cataloged, quarantine
-                # Values are chunks of megabytes in runs of contiguous overflow pages, read whole: with
-                # readahead a cold read is a few large reads, without it one page fault per 4 KiB
-                # (about 30x slower on a virtual disk; `kvtierd bench tiers` measures it).
+                max_dbs=5,  # values, order, cataloged, quarantine, places
+                # A value without a place (written before places were kept) is read through the map, whole
+                # (py-lmdb's get touches each page): with readahead a cold read is a few large reads,
+                # without it one page fault per 4 KiB (about 30x slower on a virtual disk).
                 readahead=True,
                 # Pages are written with write(), not through a writable map: slower, but a stray
                 # write into the map cannot corrupt the file, and the file grows with its data
@@ -137,6 +140,7 @@ class DiskStore:
                 self._order = self._env.open_db(b"order", txn=txn)
                 self._cataloged = self._env.open_db(b"cataloged", txn=txn)
                 self._quarantine = self._env.open_db(b"quarantine", txn=txn)
+                self._places = self._env.open_db(b"places", txn=txn)
             with self._env.begin() as txn:
                 self._lru = _read_lru(txn, self._order)
             self._owned: Counter[bytes] = Counter()  # bytes (charges) per owner
@@ -159,7 +163,7 @@ class DiskStore:
         self._failure: str | None = None
         self._num_puts = self._num_gets = self._num_hits = 0
         self._num_evictions = self._num_rejected = self._num_corrupt = 0
-        self._reader = MapReader(self.path / "data.mdb", self._psize)
+        self._reader = PlaceReader(self.path / "data.mdb", self._psize)
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         self._check_keys(keys)
@@ -177,26 +181,33 @@ class DiskStore:
             return [cursor.set_key(key) for key in keys]
 
     def get_many(self, keys: Sequence[bytes]) -> list[bytearray | None]:
-        """The values, read out inside the read transaction into writable buffers of their own."""
+        """The values, in writable buffers of their own."""
         self._check_keys(keys)
-        # buffers=True: views of the map, valid until the transaction ends; each is copied once, here.
         with self._guard(), self._env.begin(buffers=True) as txn:
-            values = [None if (view := txn.get(key, db=self._values)) is None else self._reader.copy(view)
-                      for key in keys]
+            values = [None if (value := self._value(txn, key)) is None else bytearray(value) for key in keys]
         self._touch(keys, values)
         return values
 
     def read(self, key: bytes, use: Callable[[memoryview], T], waiting: Waiting | None = None) -> T | None:
         """`use(value)` with the value in this thread's scratch buffer (writable, reused: a load decodes or
         copies straight from it into the device, with no buffer allocated per value); do not keep the
-        buffer. None on a miss. Given `waiting`, the value is read with direct I/O, `waiting()` around the
-        read (`MapReader.into_scratch`)."""
+        buffer. None on a miss. A large value the page cache does not hold is read from the disk (direct
+        I/O where the file system has it), `waiting()` around the read when given (`PlaceReader.read`)."""
         self._check_keys([key])
         with self._guard(), self._env.begin(buffers=True) as txn:
-            view = txn.get(key, db=self._values)
-            value = None if view is None else self._reader.into_scratch(view, waiting)
+            value = self._value(txn, key, waiting)
         self._touch([key], [value])
         return None if value is None else use(value)
+
+    def _value(self, txn: lmdb.Transaction, key: bytes, waiting: Waiting | None = None) -> memoryview | None:
+        """The value in this thread's scratch buffer, read from the file at its place, or through LMDB's get
+        (which reads its pages through the map) when it has none or what lies there is not it."""
+        record = txn.get(key, db=self._places)
+        place = ValuePlace.unpack(record) if record is not None else None
+        value = self._reader.read(key, place, waiting) if place is not None else None
+        if value is None and (view := txn.get(key, db=self._values)) is not None:
+            value = self._reader.copy(view)
+        return value
 
     def _touch(self, keys: Sequence[bytes], values: Sequence[object | None]) -> None:
         """Counts a read, and moves the values found to the LRU's recent end."""
@@ -233,6 +244,11 @@ class DiskStore:
             def write(txn: lmdb.Transaction) -> None:
                 for key, value in batch.items():
                     txn.put(key, value, db=self._values)
+                    place = place_of(key, txn.get(key, db=self._values), self._psize)  # its pages are in memory
+                    if place is not None:
+                        txn.put(key, place.pack(), db=self._places)
+                    else:
+                        txn.delete(key, db=self._places)  # a value it replaced had one
                     txn.put(key, entries[key].record(), db=self._order)
                     if cataloged:
                         txn.put(key, b"", db=self._cataloged)
@@ -469,6 +485,7 @@ class DiskStore:
     def _delete_value(self, txn: lmdb.Transaction, key: bytes) -> bool:
         txn.delete(key, db=self._order)
         txn.delete(key, db=self._cataloged)
+        txn.delete(key, db=self._places)
         return txn.delete(key, db=self._values)
 
     def _forget(self, keys: Sequence[bytes]) -> None:
@@ -490,7 +507,8 @@ class DiskStore:
     def _measure(self) -> None:
         """Reads the pages LMDB's trees hold now (the free list's own pages are in the slack)."""
         with self._env.begin() as txn:
-            stats = [txn.stat(db) for db in (self._values, self._order, self._cataloged, self._quarantine)]
+            stats = [txn.stat(db) for db in (self._values, self._order, self._cataloged, self._quarantine,
+                                             self._places)]
         stats.append(self._env.stat())  # the main tree, which names the sub-databases
         live = sum(st["branch_pages"] + st["leaf_pages"] + st["overflow_pages"] for st in stats) * self._psize
         with self._lock:

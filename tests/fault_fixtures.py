@@ -210,12 +210,12 @@ def checked_session_turns(d: Daemon, turns: Sequence[tuple[str, str]], allow_int
 
 @contextlib.contextmanager
 def open_kv(kv_dir: Path, write: bool = False) -> Iterator[tuple[lmdb.Environment, dict[str, object]]]:
-    """The disk tier's environment and its sub-databases (values, order, quarantine)."""
+    """The disk tier's environment and its sub-databases (values, order, quarantine, places)."""
     size = (kv_dir / "data.mdb").stat().st_size
-    env = lmdb.open(str(kv_dir), subdir=True, create=False, readonly=not write, lock=write, max_dbs=3,
+    env = lmdb.open(str(kv_dir), subdir=True, create=False, readonly=not write, lock=write, max_dbs=4,
                     map_size=max(size * 2, 64 << 20))
     try:
-        dbs = {name: env.open_db(name.encode(), create=False) for name in ("values", "order", "quarantine")}
+        dbs = {name: env.open_db(name.encode(), create=False) for name in ("values", "order", "quarantine", "places")}
         yield env, dbs
     finally:
         env.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import signal
@@ -10,16 +11,17 @@ import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
+import lmdb
 import numpy as np
 import pytest
 from chunk_fixtures import CRASH_BATCH, crash_chunk, make_identity, make_payload
 
 from kvtierd.storage.disk_store import MAX_QUARANTINED, DiskStore
 from kvtierd.storage.kv_frame import decode_frame, encode_frame
-from kvtierd.storage.map_reader import _open_direct
+from kvtierd.storage.value_places import ValuePlace, _open_direct
 from kvtierd.storage.store_errors import CorruptValueError, StoreUnavailableError
 
 TESTS = Path(__file__).resolve().parent
@@ -56,10 +58,12 @@ def test_put_get_contains_delete(store: DiskStore) -> None:
     assert 0 < stats.bytes_used < stats.capacity_bytes == MAP_SIZE
 
 
-def test_a_large_value_is_read_with_direct_io_outside_the_callers_slice(store: DiskStore, tmp_path: Path) -> None:
-    """A paced load's read of a large value goes straight from the disk (no page cache), with the caller's `waiting`
-    around it; a small one (inside a leaf page), or one read without `waiting`, is copied as before. Same bytes either
-    way, on a fresh store and after reopening it, at sizes that fill their last page exactly or not."""
+def test_a_cold_large_value_is_read_with_direct_io_inside_the_callers_waiting(store: DiskStore,
+                                                                              tmp_path: Path) -> None:
+    """A large value whose pages are not all in the page cache is read straight from the disk into a
+    page-aligned buffer, with the caller's `waiting` around the read; one in the cache is copied from there (no
+    wait), and a small one (it may share a leaf page: no place of its own) is read through LMDB. Same bytes every
+    way, at sizes that fill their last page exactly or not."""
     if _open_direct(str(tmp_path / "data.mdb")) < 0:
         pytest.skip("the file system under the test's directory has no direct I/O")
     sizes = [100, 1000, 3000, 4096 - 16, 4096 * 3 - 16, 4096 * 3 - 15, 5 << 20]
@@ -71,28 +75,112 @@ def test_a_large_value_is_read_with_direct_io_outside_the_callers_slice(store: D
         waits.append(1)
         yield
 
-    for n in sizes:
+    def read(n: int) -> tuple[bool, bool]:
+        """Whether the read waited, and whether its bytes were in the page-aligned buffer."""
         waits.clear()
-        assert store.read(key(n), bytes, waiting) == value(n, n)
-        assert len(waits) == (n > 2048), n  # a value in overflow pages (past half a page) is read with direct I/O
-        # ... and the bytes used are that read's, in its page-aligned buffer (not a fallback's copy)
-        assert store.read(key(n), lambda v: isinstance(v.obj, mmap.mmap), waiting) == (n > 2048)
+        got = store.read(key(n), lambda v: (bytes(v), isinstance(v.obj, mmap.mmap)), waiting)
+        assert got is not None and got[0] == value(n, n), n
+        return bool(waits), got[1]
+
+    for n in sizes:  # just written: in the page cache
+        assert read(n) == (False, False), n
+    store.close()  # nothing of the file mapped: the cache drops it all
+    store = DiskStore(tmp_path, map_size=MAP_SIZE)
+    _drop_page_cache(tmp_path / "data.mdb")
+    # The large value is cold (pages near the ones LMDB's reads map may stay: the small values' are not checked).
+    assert read(5 << 20) == (True, True)
+    assert read(5 << 20) == (True, True)  # a direct read leaves nothing in the cache
+    for n in sizes:
+        waited, aligned = read(n)
+        assert waited == aligned and (n > 4096 or not waited), n  # only a value with a place is read direct
+    (tmp_path / "data.mdb").read_bytes()  # warm again
+    assert [read(n) for n in sizes] == [(False, False)] * len(sizes)
     assert store.read(key(1), bytes, waiting) is None
     # A view a caller still holds survives a larger read that needs a larger buffer.
     store.close()
     store = DiskStore(tmp_path, map_size=MAP_SIZE)
-    kept = store.read(key(3000), lambda v: v, waiting)
-    assert store.read(key(5 << 20), bytes, waiting) == value(5 << 20, 5 << 20)
-    assert bytes(kept) == value(3000, 3000)
-    # A read in one piece (no `waiting`) goes through the page cache.
-    assert store.read(key(5 << 20), lambda v: (bytes(v), isinstance(v.obj, mmap.mmap))) == \
-        (value(5 << 20, 5 << 20), False)
+    _drop_page_cache(tmp_path / "data.mdb")
+    try:
+        kept = store.read(key(4096 * 3 - 15), lambda v: v, waiting)
+        assert store.read(key(5 << 20), bytes, waiting) == value(5 << 20, 5 << 20)
+        assert bytes(kept) == value(4096 * 3 - 15, 4096 * 3 - 15)
+    finally:
+        store.close()
+
+
+def test_a_large_value_is_read_at_its_place_without_the_map(store: DiskStore, tmp_path: Path) -> None:
+    """A large value is read from the file where it lies, not through LMDB's get (which would read every page
+    of it through the map): read cold with direct I/O, none of its pages enter the page cache."""
+    if _open_direct(str(tmp_path / "data.mdb")) < 0:
+        pytest.skip("the file system under the test's directory has no direct I/O")
+    assert store.put_many([(key(1), value(1, 4 << 20))])
     store.close()
     reopened = DiskStore(tmp_path, map_size=MAP_SIZE)
     try:
-        assert reopened.read(key(5 << 20), bytes, waiting) == value(5 << 20, 5 << 20)
+        _drop_page_cache(tmp_path / "data.mdb")  # what the open read ahead goes (its tree pages stay)
+        before = _resident_bytes(tmp_path / "data.mdb")
+        if before >= 1 << 20:
+            pytest.skip("the file system keeps the file's pages (no page cache to drop)")
+        assert reopened.read(key(1), bytes, nullcontext) == value(1, 4 << 20)
+        assert _resident_bytes(tmp_path / "data.mdb") - before < 1 << 20
     finally:
         reopened.close()
+
+
+def test_a_place_that_is_not_its_value_costs_a_read_through_the_map_never_bytes(store: DiskStore,
+                                                                                tmp_path: Path) -> None:
+    """A place record pointing at another value of the same size, at pages that are no value's start, or of a
+    damaged size, and a value stored before places were kept (none): each read gives the value's own bytes.
+    Deleting a value deletes its place; putting a key again moves it."""
+    n = 3 * 4096
+    assert store.put_many([(key(i), value(i, n)) for i in range(4)])
+    store.close()
+    env = lmdb.open(str(tmp_path), map_size=MAP_SIZE, max_dbs=5)
+    with env.begin(write=True) as txn:
+        places = env.open_db(b"places", txn=txn)
+        assert txn.stat(places)["entries"] == 4
+        other = ValuePlace.unpack(txn.get(key(1), db=places))
+        txn.put(key(0), other.pack(), db=places)  # another value's place: its ends differ
+        txn.put(key(1), ValuePlace(other.page + 1, other.length, other.ends).pack(), db=places)  # inside a run
+        txn.put(key(2), b"\x00" * 5, db=places)  # a damaged record
+        txn.delete(key(3), db=places)  # as written before places were kept
+    env.close()
+    reopened = DiskStore(tmp_path, map_size=MAP_SIZE)
+    try:
+        for i in range(4):
+            assert reopened.read(key(i), bytes, nullcontext) == value(i, n), i
+            assert reopened.read(key(i), bytes) == value(i, n), i
+        assert reopened.get_many([key(i) for i in range(4)]) == [value(i, n) for i in range(4)]
+        assert reopened.put_many([(key(3), value(30, n))])  # a value put again has a place again
+        assert reopened.delete_many([key(2)]) == 1
+        assert reopened.read(key(3), bytes, nullcontext) == value(30, n)
+    finally:
+        reopened.close()
+    env = lmdb.open(str(tmp_path), map_size=MAP_SIZE, max_dbs=5)
+    with env.begin() as txn:
+        places = env.open_db(b"places", txn=txn, create=False)
+        assert txn.get(key(2), db=places) is None
+        assert ValuePlace.unpack(txn.get(key(3), db=places)).length == n
+    env.close()
+
+
+def _drop_page_cache(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # pages no process maps
+    finally:
+        os.close(fd)
+
+
+def _resident_bytes(path: Path) -> int:
+    """Bytes of the file in the page cache (mincore over a map of it of our own)."""
+    size = path.stat().st_size
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+        libc = ctypes.CDLL(None, use_errno=True)
+        vec = (ctypes.c_ubyte * -(-size // mmap.PAGESIZE))()
+        address = ctypes.c_void_p(np.frombuffer(m, np.uint8).ctypes.data)
+        assert libc.mincore(address, ctypes.c_size_t(size), vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec) * mmap.PAGESIZE
 
 
 def test_a_key_given_twice_in_a_batch_keeps_its_last_value(store: DiskStore) -> None:

@@ -29,6 +29,7 @@ from waiting import wait_until
 from fault_fixtures import (OFFLOAD_ENV, checked_session_turns, disk_metric, errors_5xx, in_parallel, kill9, new_session, open_kv, question, remove_root, report, session_turn, short_root, small_filesystem, stop_cleanly, stored_keys, system_prompt, tiers, wait_disk_settled)
 from kvtierd.storage.disk_store import DiskStore
 from kvtierd.storage.store_errors import StoreUnavailableError
+from kvtierd.storage.value_places import PAGE_HEADER, ValuePlace
 
 SEED = 3
 SESSIONS = 3
@@ -161,15 +162,28 @@ class Daemons:
 
 
 def flip_a_byte_in_every_value(kv_dir: Path, rng: random.Random) -> int:
-    """Through LMDB itself, so the file stays a valid LMDB file and only the values are wrong. Every other
-    value is hit in its first 64 bytes (the header: magic, geometry, lengths, checksum), the others
-    anywhere (mostly the payload)."""
+    """Where each value's bytes lie, so the file stays a valid LMDB file and only the values are wrong: a large
+    value's in its overflow pages, at the place the disk tier reads it from (bit rot does not move bytes); one
+    inside a leaf page through LMDB itself. Every other value is hit in its first 64 bytes (the header: magic,
+    geometry, lengths, checksum), the others anywhere (mostly the payload)."""
+    in_file: list[int] = []  # offsets in data.mdb
     with open_kv(kv_dir, write=True) as (env, dbs), env.begin(write=True) as txn:
+        page_size = env.stat()["psize"]
         items = [(bytes(k), bytearray(v)) for k, v in txn.cursor(db=dbs["values"])]
         for i, (key, value) in enumerate(items):
             offset = rng.randrange(min(64, len(value)) if i % 2 == 0 else len(value))
-            value[offset] ^= 1 << rng.randrange(8)
-            txn.put(key, bytes(value), db=dbs["values"])
+            record = txn.get(key, db=dbs["places"])
+            if record is not None:
+                in_file.append(ValuePlace.unpack(record).page * page_size + PAGE_HEADER.size + offset)
+            else:
+                value[offset] ^= 1 << rng.randrange(8)
+                txn.put(key, bytes(value), db=dbs["values"])
+    with open(kv_dir / "data.mdb", "r+b") as f:
+        for at in in_file:
+            f.seek(at)
+            byte = f.read(1)[0]
+            f.seek(at)
+            f.write(bytes([byte ^ 1 << rng.randrange(8)]))
     return len(items)
 
 

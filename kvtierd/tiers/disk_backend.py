@@ -56,8 +56,9 @@ class DiskBackend(WriterBackend):
         return self.writer.call(lambda: self.storage.get_many([key])[0], None)
 
     def load(self, span: ChunkSpan, skip: int, block_ids: Sequence[int]) -> bool:
-        """Reads the value into the store's scratch buffer (one read of the file; while the load yields to
-        steps, a direct read beside them: it takes no core) and copies or decodes it from there into the pages."""
+        """Reads the value into the store's buffer (one read of the file; while the load yields to steps, a
+        cold value's read goes on beside them: it holds no core) and copies or decodes it from there into the
+        pages."""
         key = self.key(span.last_hash)
         if key is None:
             return False
@@ -67,7 +68,7 @@ class DiskBackend(WriterBackend):
             return scatter_frame(self._pages, torch.frombuffer(value, dtype=torch.uint8), identity, skip, block_ids,
                                  decode=True)
 
-        waiting = BACKGROUND_WORK.unsliced if BACKGROUND_WORK.pacing() else None  # in one piece: the page cache
+        waiting = BACKGROUND_WORK.unsliced if BACKGROUND_WORK.pacing() else None
         outcome = self.writer.call(lambda: self.storage.read(key, scatter, waiting), None)
         if outcome is None:  # gone since the lookup, or the disk failed
             return False
