@@ -1,32 +1,35 @@
 """Where a large value lies in data.mdb, so that reading it goes to the file and never through LMDB's map.
 
 py-lmdb's `get` touches every page of the value it returns (with the GIL
-released) before it returns, so a cold value is read there, through page
-faults: a readahead window at a time, 1.6x slower than one pread of the same
-bytes (a cold file on the bench host's virtual disk), and paid again by any
-copy after it. A large value is a run of contiguous overflow pages that stays
-where it was written until the value is deleted, so its place is taken once,
-when it is written: the first page's number (from that page's header, in the
-write transaction, right before the value's bytes), its length and a hash of
-its key and its ends. It is kept in the `places` sub-database, written and deleted with the
-value in the same transaction.
+released) before it returns, so a cold value is read there, in page faults a
+readahead window at a time, and any read of it after that is a second one. A
+paced load that read its value through `get` and then with direct I/O read it
+twice, the first time inside its slice: lends of 8-17 ms where 3-4 were meant
+(a step log beside `kvtierd bench stall`).
+
+A large value is a run of contiguous overflow pages that stays where it was
+written until the value is deleted, so its place is taken once, when it is
+written: the first page's number (from that page's header, in the write
+transaction, right before the value's bytes), its length and a hash of its key
+and its ends. It is kept in the `places` sub-database, written and deleted with
+the value in the same transaction.
 
 A read at a place covers the run's whole pages, and what it finds must be that
 value: the first page's header names the page, the overflow flag and the run's
-length, and the key and the ends hash to what was kept (a place of another key's
-value does not pass). Anything else (a place older than
-the value, a file rewritten by a tool) makes `read` return None and the caller
-reads through `get` instead, so a wrong place costs speed, never bytes.
+length, and the key and the ends hash to what was kept (a place of another
+key's value does not pass). Anything else (a damaged record, a file written by
+another tool) makes `read` return None and the caller reads through `get`, so
+a wrong place costs speed, never bytes.
 
 A value whose pages are all in the page cache (a warm file) is copied from
 there: mincore over a map of them that is never touched says whether they are
-(a pread with RWF_NOWAIT would start reading ahead when they are not). Any other is
+(a pread with RWF_NOWAIT starts reading ahead when they are not). Any other is
 read with direct I/O where the file system has it: the disk writes the pages
 into the buffer, nothing is read ahead past the value or left in the cache, and
 the read holds no core, so a load that yields to the engine's steps waits for
 it beside them (`waiting`). A cold file on the bench host's virtual disk, 20
 values of 6 MiB: 66 ms read direct in any order, 74 ms buffered in the file's
-order and 99 ms in another (`get` through the map: 73-106 ms).
+order and 99 ms in another (a probe, not in the project).
 """
 
 from __future__ import annotations
@@ -74,8 +77,8 @@ class ValuePlace:
 
 
 def place_of(key: bytes, view: memoryview, page_size: int) -> ValuePlace | None:
-    """The place of the value just put under `key`, from its view in the write transaction (the dirty run in memory: its
-    page header lies right before the value's bytes); None for a value inside a leaf page."""
+    """The place of the value just put under `key`, from its view in the write transaction (its run of pages in
+    memory, whose first page's header lies right before the value's bytes); None for a value in a leaf page."""
     if len(view) <= page_size:  # may share a leaf page: no header of its own before it
         return None
     address = np.frombuffer(view, np.uint8).ctypes.data
@@ -133,7 +136,7 @@ class PlaceReader:
             start = np.frombuffer(window, np.uint8)
             listed = _LIBC.mincore(ctypes.c_void_p(start.ctypes.data), ctypes.c_size_t(size), pages) == 0
             del start  # before the map closes
-        if not listed or not all(p & 1 for p in pages):
+        if not listed or not np.all(np.frombuffer(pages, np.uint8) & 1):
             return None
         target = self._buffer("scratch", size)
         return target if os.preadv(self._fd, [target], offset) == size else None
