@@ -140,7 +140,7 @@ def test_a_place_that_is_not_its_value_costs_a_read_through_the_map_never_bytes(
         places = env.open_db(b"places", txn=txn)
         assert txn.stat(places)["entries"] == 4
         other = ValuePlace.unpack(txn.get(key(1), db=places))
-        txn.put(key(0), other.pack(), db=places)  # another value's place: its ends differ
+        txn.put(key(0), other.pack(), db=places)  # another key's value: its hash is of that key
         txn.put(key(1), ValuePlace(other.page + 1, other.length, other.ends).pack(), db=places)  # inside a run
         txn.put(key(2), b"\x00" * 5, db=places)  # a damaged record
         txn.delete(key(3), db=places)  # as written before places were kept

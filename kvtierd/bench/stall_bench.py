@@ -87,6 +87,9 @@ TARGET_NEXT_TURN_X = 1.2  # a next turn sent right after a long turn, at most th
 REDIS_START_S = 30.0  # a hang guard
 DRAIN_S = 300.0  # a hang guard
 SETTLE_S = 0.2  # after a recompute, the streams' steps are their own again within this
+# The quiet spell before a load, in the longest load so far: the next load's window without it fits unless that load
+# is half again longer (a spell of 1.2 times the load before cut a 1,034 ms load's window without it to 1,000 ms).
+QUIET_SPELL_X = 1.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,8 +243,8 @@ async def _measure(socket: Path, w: StallWorkload, name: str, warm: list[int], p
                    fresh: list[list[int]], before_load=None, between_loads=None) -> dict:
     """A stored prompt loaded beside the streams once, unmeasured (the daemon's first load pays its one-time
     costs, as its first request does); then each of the others in turn, each followed by a fresh prompt of its
-    length (the recompute), then a quiet spell at least as long as the load took, so the next load's window
-    without it holds only the streams' own steps. `between_loads` runs before each quiet spell: what it costs
+    length (the recompute), then a quiet spell QUIET_SPELL_X times the longest load so far, so the next load's
+    window without it (as long as that load's window) holds only the streams' own steps. `between_loads` runs before each quiet spell: what it costs
     the machine (the page cache dropped) lands in neither window."""
     async with async_client(socket) as client:
         await _chat(client, [{"role": "user", "content": "Say hello."}], 2)  # warm-up, not measured
@@ -255,8 +258,9 @@ async def _measure(socket: Path, w: StallWorkload, name: str, warm: list[int], p
         for before in (before_load, between_loads):
             if before is not None:
                 await asyncio.to_thread(before)
+        longest = ttft_warm
         quiet_since = time.perf_counter() + SETTLE_S
-        await asyncio.sleep(SETTLE_S + max(1.0, 1.2 * ttft_warm))
+        await asyncio.sleep(SETTLE_S + max(1.0, QUIET_SPELL_X * longest))
         loads, hits, recomputes, infos, hit_infos = [], [], [], [], []
         windows, hit_windows, fresh_windows = [], [], []
         for prompt, other in zip(prompts, fresh, strict=True):
@@ -278,10 +282,11 @@ async def _measure(socket: Path, w: StallWorkload, name: str, warm: list[int], p
             infos.append(info)
             if between_loads is not None:
                 await asyncio.to_thread(between_loads)
-            # The next load's window without it lies in this spell (it is as long as this load's window), past
+            # The next load's window without it lies in this spell (it is as long as that load's window), past
             # the streams' gap across the recompute, which ends in its first steps.
+            longest = max(longest, ttft_load)
             quiet_since = time.perf_counter() + SETTLE_S
-            await asyncio.sleep(SETTLE_S + max(1.0, 1.2 * ttft_load))
+            await asyncio.sleep(SETTLE_S + max(1.0, QUIET_SPELL_X * longest))
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
