@@ -244,8 +244,8 @@ async def _measure(socket: Path, w: StallWorkload, name: str, warm: list[int], p
     """A stored prompt loaded beside the streams once, unmeasured (the daemon's first load pays its one-time
     costs, as its first request does); then each of the others in turn, each followed by a fresh prompt of its
     length (the recompute), then a quiet spell QUIET_SPELL_X times the longest load so far, so the next load's
-    window without it (as long as that load's window) holds only the streams' own steps. `between_loads` runs before each quiet spell: what it costs
-    the machine (the page cache dropped) lands in neither window."""
+    window without it (as long as that load's window) holds only the streams' own steps. `between_loads` runs
+    before each quiet spell: what it costs the machine (the page cache dropped) lands in neither window."""
     async with async_client(socket) as client:
         await _chat(client, [{"role": "user", "content": "Say hello."}], 2)  # warm-up, not measured
         log = Streams()
