@@ -180,33 +180,35 @@ class DiskStore:
             cursor = txn.cursor(db=self._values)
             return [cursor.set_key(key) for key in keys]
 
-    def get_many(self, keys: Sequence[bytes]) -> list[bytearray | None]:
-        """The values, in writable buffers of their own."""
+    def get_many(self, keys: Sequence[bytes]) -> list[memoryview | None]:
+        """The values, each a writable view of a buffer of its own."""
         self._check_keys(keys)
         with self._guard(), self._env.begin(buffers=True) as txn:
-            values = [None if (value := self._value(txn, key)) is None else bytearray(value) for key in keys]
+            values = [self._value(txn, key, own=True) for key in keys]
         self._touch(keys, values)
         return values
 
     def read(self, key: bytes, use: Callable[[memoryview], T], waiting: Waiting | None = None) -> T | None:
         """`use(value)` with the value in this thread's scratch buffer (writable, reused: a load decodes or
         copies straight from it into the device, with no buffer allocated per value); do not keep the
-        buffer. None on a miss. A large value the page cache does not hold is read from the disk (direct
-        I/O where the file system has it), `waiting()` around the read when given (`PlaceReader.read`)."""
+        buffer. None on a miss. Given `waiting`, a large value the page cache does not hold is read with direct
+        I/O, `waiting()` around the read (`PlaceReader.read`)."""
         self._check_keys([key])
         with self._guard(), self._env.begin(buffers=True) as txn:
             value = self._value(txn, key, waiting)
         self._touch([key], [value])
         return None if value is None else use(value)
 
-    def _value(self, txn: lmdb.Transaction, key: bytes, waiting: Waiting | None = None) -> memoryview | None:
-        """The value in this thread's scratch buffer, read from the file at its place, or through LMDB's get
-        (which reads its pages through the map) when it has none or what lies there is not it."""
+    def _value(self, txn: lmdb.Transaction, key: bytes, waiting: Waiting | None = None,
+               own: bool = False) -> memoryview | None:
+        """The value in this thread's scratch buffer (with `own`, in one of its own), read from the file at its
+        place, or through LMDB's get (which reads its pages through the map) when it has none or what lies
+        there is not it."""
         record = txn.get(key, db=self._places)
         place = ValuePlace.unpack(record) if record is not None else None
-        value = self._reader.read(key, place, waiting) if place is not None else None
+        value = self._reader.read(key, place, waiting, own) if place is not None else None
         if value is None and (view := txn.get(key, db=self._values)) is not None:
-            value = self._reader.copy(view)
+            value = self._reader.copy(view, own)
         return value
 
     def _touch(self, keys: Sequence[bytes], values: Sequence[object | None]) -> None:

@@ -21,15 +21,17 @@ key's value does not pass). Anything else (a damaged record, a file written by
 another tool) makes `read` return None and the caller reads through `get`, so
 a wrong place costs speed, never bytes.
 
-A value whose pages are all in the page cache (a warm file) is copied from
-there: mincore over a map of them that is never touched says whether they are
-(a pread with RWF_NOWAIT starts reading ahead when they are not). Any other is
-read with direct I/O where the file system has it: the disk writes the pages
-into the buffer, nothing is read ahead past the value or left in the cache, and
-the read holds no core, so a load that yields to the engine's steps waits for
-it beside them (`waiting`). A cold file on the bench host's virtual disk, 20
-values of 6 MiB: 66 ms read direct in any order, 74 ms buffered in the file's
-order and 99 ms in another (a probe, not in the project).
+A load that yields to the engine's steps (`waiting` given) reads a cold value
+with direct I/O where the file system has it: the disk writes the pages into
+the buffer, nothing is read ahead past the value or left in the cache, and the
+read holds no core, so the load waits for it beside the steps (`waiting`).
+Whether the value is cold is mincore's answer over a map of its pages that is
+never touched (a pread with RWF_NOWAIT starts reading ahead when they are not
+there); a warm one is copied from the page cache. Any other read (a lone
+restore, warming the host tier) goes through the page cache: warm, it is
+memory; cold, the kernel's readahead brings the next value meanwhile (`kvtierd
+bench tiers`, a 2,000-token turn's next turn restored from a cold disk: 82 ms
+read buffered, 88 direct, one run each).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import os
 import struct
 import threading
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,45 +107,45 @@ class PlaceReader:
         self._direct_fd = _open_direct(path)  # -1 where the file system has no direct I/O (tmpfs)
         self._local = threading.local()
 
-    def read(self, key: bytes, place: ValuePlace, waiting: Waiting | None = None) -> memoryview | None:
-        """The value of `key` at `place` in this thread's buffer (valid until its next read; do not keep it):
-        copied from the page cache when all of it is there, else read from the disk, `waiting()` around that
-        read when given. None when what lies there is not that value."""
+    def read(self, key: bytes, place: ValuePlace, waiting: Waiting | None = None,
+             own: bool = False) -> memoryview | None:
+        """The value of `key` at `place`: in this thread's buffer (valid until its next read; do not keep it), or
+        with `own` in a buffer of its own. Given `waiting`, a value the page cache does not hold is read with
+        direct I/O, `waiting()` around the read. None when what lies there is not that value."""
         size = place.pages(self._page_size) * self._page_size
         offset = place.page * self._page_size
         try:
             if offset + size > os.fstat(self._fd).st_size:  # a damaged record: nothing that large is there
                 return None
-            target = self._cached(offset, size)
-            if target is None:
-                target = self._buffer("aligned" if self._direct_fd >= 0 else "scratch", size)
-                with waiting() if waiting is not None else nullcontext():
-                    got = os.preadv(self._direct_fd if self._direct_fd >= 0 else self._fd, [target], offset)
-                if got != size:
-                    return None
+            if waiting is not None and self._direct_fd >= 0 and not self._cached(offset, size):
+                target = self._buffer("aligned", size)
+                with waiting():
+                    got = os.preadv(self._direct_fd, [target], offset)
+            else:
+                target = memoryview(bytearray(size)) if own else self._buffer("scratch", size)
+                got = os.preadv(self._fd, [target], offset)
         except (OSError, ValueError):  # ValueError: a map of the range refused
+            return None
+        if got != size:
             return None
         page, _, flags, run = PAGE_HEADER.unpack_from(target)
         value = target[PAGE_HEADER.size : PAGE_HEADER.size + place.length]
         ours = page == place.page and flags & P_OVERFLOW and run == size // self._page_size
         return value if ours and _ends(key, value) == place.ends else None
 
-    def _cached(self, offset: int, size: int) -> memoryview | None:
-        """The pages [offset, offset + size) copied into the scratch buffer when the page cache holds them all;
-        None when it does not."""
+    def _cached(self, offset: int, size: int) -> bool:
+        """Whether the page cache holds every page of [offset, offset + size)."""
         pages = (ctypes.c_ubyte * (size // mmap.PAGESIZE))()
         with mmap.mmap(self._fd, size, prot=mmap.PROT_READ, offset=offset) as window:  # never touched: no I/O
             start = np.frombuffer(window, np.uint8)
             listed = _LIBC.mincore(ctypes.c_void_p(start.ctypes.data), ctypes.c_size_t(size), pages) == 0
             del start  # before the map closes
-        if not listed or not np.all(np.frombuffer(pages, np.uint8) & 1):
-            return None
-        target = self._buffer("scratch", size)
-        return target if os.preadv(self._fd, [target], offset) == size else None
+        return listed and bool(np.all(np.frombuffer(pages, np.uint8) & 1))
 
-    def copy(self, view: memoryview) -> memoryview:
-        """A value read through `get` (its pages in memory now), copied into this thread's scratch buffer."""
-        out = self._buffer("scratch", len(view))
+    def copy(self, view: memoryview, own: bool = False) -> memoryview:
+        """A value read through `get` (its pages in memory now), copied into this thread's scratch buffer, or
+        with `own` into a buffer of its own."""
+        out = memoryview(bytearray(len(view))) if own else self._buffer("scratch", len(view))
         out[:] = view
         return out
 

@@ -110,7 +110,8 @@ def test_a_cold_large_value_is_read_with_direct_io_inside_the_callers_waiting(st
 
 def test_a_large_value_is_read_at_its_place_without_the_map(store: DiskStore, tmp_path: Path) -> None:
     """A large value is read from the file where it lies, not through LMDB's get (which would read every page
-    of it through the map): read cold with direct I/O, none of its pages enter the page cache."""
+    of it through the map): read cold with direct I/O, none of its pages enter the page cache; read without
+    `waiting` (a lone restore), through the page cache."""
     if _open_direct(str(tmp_path / "data.mdb")) < 0:
         pytest.skip("the file system under the test's directory has no direct I/O")
     assert store.put_many([(key(1), value(1, 4 << 20))])
@@ -123,6 +124,8 @@ def test_a_large_value_is_read_at_its_place_without_the_map(store: DiskStore, tm
             pytest.skip("the file system keeps the file's pages (no page cache to drop)")
         assert reopened.read(key(1), bytes, nullcontext) == value(1, 4 << 20)
         assert _resident_bytes(tmp_path / "data.mdb") - before < 1 << 20
+        assert reopened.get_many([key(1)]) == [value(1, 4 << 20)]
+        assert _resident_bytes(tmp_path / "data.mdb") - before >= 3 << 20  # a few of its pages were in
     finally:
         reopened.close()
 
