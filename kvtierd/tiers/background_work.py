@@ -25,9 +25,9 @@ Loads are paced instead (`paced_pool`): they do not count, so a step keeps
 every thread, and while an engine computes for running requests they never
 run beside its forward. Once a step is scheduled, the engine lends the loads
 LEND_SHARE of its last step's time (`lend`) and waits meanwhile; a load
-works in slices (a layer's copy, a MiB of hashing or decoding, one read),
-calling `pace` between them, and starts a slice only while a lend has room
-for it. A wait that takes no core (a direct read from disk) is no slice
+works in slices (a group of layers' copy, a MiB of hashing or decoding, one
+read), calling `pace` between them, and starts a slice only while a lend has
+room for it. A wait that takes no core (a direct read from disk) is no slice
 (`unsliced`): it goes on beside the steps.
 The streams' gaps grow by that share and no more: work that ran beside a
 step cost it far more than its own time, the step's threads waiting for
@@ -208,7 +208,7 @@ class BackgroundWork:
         """Under the lock, on a paced task's thread: while it yields, waits for a lend with room for its next
         slice, and then counts as slicing (the lend waits for its slice to end). A slice is expected to take as
         long as the thread's last one of its kind: a task's `first` (its read: a GET, a disk value) or a later
-        one (a layer's copy, a MiB of work); the lend's first slice always has room. A slice that would not fit
+        one (a group of layers' copy, a MiB of work); the lend's first slice always has room. A slice that would not fit
         ends the lend: started, it would hold the step past it (a GET started at a lend's end held it 3-5 ms)."""
         until = self._paced.until
         self._paced.first = first

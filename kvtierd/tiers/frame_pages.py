@@ -18,8 +18,8 @@ RAW_CODEC = "raw"
 def scatter_frame(pages: PageCopier, value: torch.Tensor, identity: ChunkIdentity, skip: int,
                   block_ids: Sequence[int], decode: bool = False) -> str:
     """Checks a frame (a flat uint8 tensor) and writes its pages `skip`.. into `block_ids`: "ok", else the
-    failed check's name. A raw payload is copied straight from `value` and hashed layer by layer right
-    after the copy read it (one pass); another codec is decoded first, when `decode` allows it."""
+    failed check's name. A raw payload is copied straight from `value`, each group of layers hashed right after
+    the copy read it (one pass); another codec is decoded first, when `decode` allows it."""
     try:
         frame = check_frame_head(value.numpy(), identity)
     except CorruptValueError as e:
