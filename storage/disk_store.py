@@ -110,10 +110,12 @@ class DiskStore:
                 # an existing file larger than this keeps its size.
                 map_size=map_size,
                 max_dbs=5,  # values, order, cataloged, quarantine, places
-                # A value without a place (written before places were kept) is read through the map, whole
-                # (py-lmdb's get touches each page): with readahead a cold read is a few large reads,
-                # without it one page fault per 4 KiB (about 30x slower on a virtual disk).
-                readahead=True,
+                # No readahead on the map: values are read at their place (value_places.py), so the map
+                # serves B-tree pages, and a lookup's fault that read ahead (8 MiB on a virtual disk) took
+                # 3-4 ms of CPU beside the steps for each prompt looked up and brought in parts of values
+                # (probe, `bench stall`). A value without a place (written before places were kept) is read
+                # through the map, a page fault per 4 KiB (about 30x slower cold than with readahead).
+                readahead=False,
                 # Pages are written with write(), not through a writable map: slower, but a stray
                 # write into the map cannot corrupt the file, and the file grows with its data
                 # instead of being sized to the whole map at open.
