@@ -7,14 +7,17 @@ releases), never by waiting on a clock."""
 from __future__ import annotations
 
 import threading
+from dataclasses import replace
 from functools import partial
 
 import engine_runs
+import pytest
 from engine_runs import assert_same_output
 from test_tiers_engine import TOPICS, ask, push_out, tiered
 
 from kvtierd.engine.sampling_params import SamplingParams
-from kvtierd.tiers.background_work import BACKGROUND_WORK
+from kvtierd.engine.step_cost import StepShape
+from kvtierd.tiers.background_work import BACKGROUND_WORK, LEND_SHARE
 from kvtierd.tiers.config import TierConfig
 
 PARAMS = SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2)
@@ -119,6 +122,35 @@ def test_a_load_that_lands_in_a_lend_is_indexed_there_and_its_request_joins_the_
     assert warm[0].cached_tokens_by_tier["host"] >= 64 and warm[0].restore.decision == "load"
     assert_same_output(warm, cold_run(make_engine, prompt))
     assert engine.kv.pool.num_used_blocks == 0
+
+
+def test_a_lend_is_a_share_of_the_step_the_cost_model_predicts_not_of_a_slow_last_step(loaded, make_engine,
+                                                                                       monkeypatch):
+    """A step that ran long (the machine, not the step's work) does not make the next step lend long: the lend
+    is LEND_SHARE of what the step about to run is predicted to cost."""
+    tok = loaded.tokenizer
+    engine, prompt = prompt_below_the_device(make_engine, tok)
+    slow_prefill(engine)
+    held = HeldWorkers(engine)
+    add_looked_up(engine, prompt)
+    other = engine.add_request(tok.encode("A short question about pages?"),
+                               SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
+    engine.step()
+    lends: list[float] = []
+    lend = BACKGROUND_WORK.lend
+    monkeypatch.setattr(BACKGROUND_WORK, "lend", lambda seconds: (lends.append(seconds), lend(seconds)))
+    BACKGROUND_WORK.engine_computes(True)
+    try:
+        engine.last_step = replace(engine.last_step, total_s=10.0)  # as if the machine had stalled it
+        shape = StepShape(num_decodes=1, num_context_tokens=engine.requests[other].num_tokens + 1)
+        predicted = engine.step_cost.current.seconds(shape)
+        engine.step()  # its loads are queued (the workers held): it lends
+    finally:
+        BACKGROUND_WORK.engine_computes(False)
+        held.release()
+    assert lends == [pytest.approx(LEND_SHARE * predicted, rel=0.01)]  # 3 s when lent a share of the last step's 10
+    engine.abort_request(other)
+    run_rest(engine, other)
 
 
 def test_two_requests_needing_the_same_chunks_share_one_load_each(loaded, make_engine):

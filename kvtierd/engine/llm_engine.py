@@ -305,7 +305,7 @@ class LLMEngine:
             if self.scheduler.loading:  # nothing to compute until a load arrives: wait for one, not spin
                 self.kv.wait_for_loads()
             return rejected
-        lent_s = self._lend()
+        lent_s = self._lend(plan)
         threads = self.step_threads.before_step(lambda: self.step_cost.current.seconds(plan.shape))
         t1 = time.perf_counter()
         sample_idx, logits = self.runner.execute(plan)
@@ -316,16 +316,18 @@ class LLMEngine:
         self.last_step = StepStats(plan.num_tokens, len(plan.scheduled), t2 - t1, t3 - t0 - lent_s, threads)
         return outputs
 
-    def _lend(self) -> float:
-        """Lends paced loads LEND_SHARE of the last step's time, after scheduling and before the forward, never
-        beside it (tiers/background_work.py); returns the seconds it waited. A load that lands in it is indexed
-        right after it (its request queues) and admitted by the next step's scheduling, which lends nothing if
-        no other load is left: the step in which a long context's first token joins the batch, the longest of
-        a load's window, is lengthened neither by a lend nor by indexing what was loaded (160 pages: 1-2 ms)."""
-        if self.last_step is None or not BACKGROUND_WORK.wants_lend:
+    def _lend(self, plan: StepPlan) -> float:
+        """Lends paced loads LEND_SHARE of the step's time as the step-cost model predicts it, after scheduling
+        and before the forward, never beside it (tiers/background_work.py); returns the seconds it waited. The
+        last step's measured time made a slow step's successor lend 10-16 ms (`bench stall`, remote): two
+        slow gaps for one. A load that lands in the lend is indexed right after it (its request queues) and
+        admitted by the next step's scheduling, which lends nothing if no other load is left: the step in
+        which a long context's first token joins the batch, the longest of a load's window, is lengthened
+        neither by a lend nor by indexing what was loaded (160 pages: 1-2 ms)."""
+        if not BACKGROUND_WORK.wants_lend:
             return 0.0
         t = time.perf_counter()
-        BACKGROUND_WORK.lend(LEND_SHARE * self.last_step.total_s)
+        BACKGROUND_WORK.lend(LEND_SHARE * self.step_cost.current.seconds(plan.shape))
         self.scheduler.collect_loaded()
         return time.perf_counter() - t
 

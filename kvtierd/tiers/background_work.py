@@ -24,7 +24,7 @@ waits for them.
 Loads are paced instead (`paced_pool`): they do not count, so a step keeps
 every thread, and while an engine computes for running requests they never
 run beside its forward. Once a step is scheduled, the engine lends the loads
-LEND_SHARE of its last step's time (`lend`) and waits meanwhile; a load
+LEND_SHARE of the step's predicted time (`lend`) and waits meanwhile; a load
 works in slices (a group of layers' copy, a MiB of hashing or decoding, one
 read), calling `pace` between them, and starts a slice only while a lend has
 room for it. A wait that takes no core (a direct read from disk) is no slice
@@ -61,7 +61,7 @@ import torch
 # gap between one request's end and the next one's steps (a chat's next turn sent on the reply, a busy
 # daemon's next request) is shorter than this; an idle spell worth the name is longer.
 IDLE_SPELL_S = 0.1
-# The share of its last step's time an engine that computes lends to paced loads before each forward (`lend`): a
+# The share of a step's predicted time an engine that computes lends to paced loads before each forward (`lend`): a
 # stream's inter-token gap grows by about this much while a load runs. Work beside a step costs it more than its own
 # time: a thread paced at 30% of a core, copying or hashing alike, took three decoding streams' steps from 16-18 ms
 # to 26-30 (probe, 2 cores), the step's threads waiting for the one that lost its core; loads that ran beside the
