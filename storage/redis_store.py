@@ -3,9 +3,8 @@
     key    <keyspace prefix>s<secret id>:<hex of the chunk key>     (redis_keyspace.py, value_seal.py)
     value  HMAC tag || kv_frame, written with SET ... EX ttl
 
-A read is GETEX ... EX ttl (or, in pieces, EXPIRE and STRLEN, then GETRANGE a
-piece at a time): a hit renews the value's TTL, which is this tier's "use" for
-the LRU; the TTL bounds what the tier keeps, and the server's
+A read is GETEX ... EX ttl: a hit renews the value's TTL, which is this tier's
+"use" for the LRU; the TTL bounds what the tier keeps, and the server's
 maxmemory-policy (allkeys-lru is the one to pick) does the rest. A value whose
 tag fails is a miss: it is deleted and counted, never returned.
 
@@ -71,10 +70,6 @@ DEFAULT_CONNECT_TIMEOUT_MS = 200
 DEFAULT_OP_TIMEOUT_MS = 500
 USAGE_INTERVAL_S = 5.0
 MAX_KEY_BYTES = 255
-# A read in pieces (`get_many(..., in_pieces=True)`: a load that yields to the engine's steps between slices of its
-# work) asks for this much of a value at a time: a GET of a 6 MB value on loopback held the step lending it
-# time 3-14 ms, against the 3-4 ms lent (a step log beside `kvtierd bench stall`).
-PIECE_BYTES = 1 << 20
 
 # redis-py's cluster errors (slot not covered, no node reachable) are not RedisErrors.
 _SERVER_FAILURES = (RedisError, RedisClusterException)
@@ -143,19 +138,14 @@ class RedisStore:
         found = self._call(exists)
         return [bool(there) for there in found] if found is not None else [False] * len(names)
 
-    def get_many(self, keys: Sequence[bytes], between: Between = no_pause,
-                 in_pieces: bool = False) -> list[memoryview | None]:
-        """The frames, each a view into the value as read: redis-py's (one copy off the socket, none after), or
-        with `in_pieces` a buffer of its own that each value is read into PIECE_BYTES at a time, `between`
-        called before each piece (a second copy, so that no slice of the caller's waits for a whole value).
-        `between` is also called after the read and between slices of checking the tags."""
+    def get_many(self, keys: Sequence[bytes], between: Between = no_pause) -> list[memoryview | None]:
+        """The frames, each a read-only view into the value redis-py read (one copy off the socket, none
+        after); `between` is called after the read and between slices of checking their tags."""
         names = self._names(keys)
         if not names:
             return []
 
-        def getex(client: RedisClient) -> list[bytes | bytearray | None]:
-            if in_pieces:
-                return [_read_in_pieces(client, name, self.ttl_s, between) for name in names]
+        def getex(client: RedisClient) -> list[bytes | None]:
             pipe = client.pipeline(transaction=False)
             for name in names:
                 pipe.getex(name, ex=self.ttl_s)  # a hit renews its TTL: the tier's LRU
@@ -388,28 +378,6 @@ class RedisStore:
                 raise ValueError(f"a chunk key must have 1 to {MAX_KEY_BYTES} bytes, got {len(key)}")
         prefix = self.key_prefix.encode()
         return [prefix + key.hex().encode() for key in keys]
-
-
-def _read_in_pieces(client: RedisClient, name: bytes, ttl_s: int, between: Between) -> bytearray | None:
-    """The value under `name`, PIECE_BYTES at a time (GETRANGE), `between` called before each piece; its TTL
-    renewed as a GETEX would. None when it is missing, or its length changed while it was read (rewritten or
-    evicted meanwhile). A value rewritten with one of the same length between two pieces comes out torn, and
-    its tag fails: a miss, as a damaged value is."""
-    pipe = client.pipeline(transaction=False)
-    pipe.expire(name, ttl_s)
-    pipe.strlen(name)
-    renewed, length = pipe.execute()
-    if not renewed:
-        return None
-    value = bytearray(length)
-    for at in range(0, length, PIECE_BYTES):
-        between()
-        end = min(at + PIECE_BYTES, length)
-        piece = client.getrange(name, at, end - 1)
-        if len(piece) != end - at:
-            return None
-        value[at:end] = piece
-    return value
 
 
 def _read_usage(client: RedisClient) -> ServerUsage:

@@ -18,7 +18,7 @@ from kvtierd.storage.codecs import SLICE_BYTES
 from kvtierd.storage.geometry import KVGeometry
 from kvtierd.storage.kv_frame import decode_frame, encode_frame
 from kvtierd.storage.redis_keyspace import RedisKeyspace
-from kvtierd.storage.redis_store import PIECE_BYTES, RedisStore
+from kvtierd.storage.redis_store import RedisStore
 from kvtierd.storage.store_errors import StoreArgumentError
 
 SECRET = b"fleet secret, 32 bytes long....."
@@ -187,45 +187,6 @@ def test_a_read_calls_between_after_the_get_and_between_slices_of_the_tag_check(
     assert store.get_many([key(1)], lambda: None) == [None]
 
 
-def test_a_read_in_pieces_yields_before_each_piece_and_renews_the_ttl(empty_redis: RedisServer,
-                                                                       store: RedisStore) -> None:
-    """A paced load reads a value PIECE_BYTES at a time, yielding before each piece: the same bytes, its TTL
-    renewed as a whole read renews it, a missing value a miss, and a tampered one still refused."""
-    big = value(1, 2 * PIECE_BYTES + 12345)  # two whole pieces and a part (the tag comes on top)
-    small = value(2, 100)
-    store.put_many([(key(1), big), (key(2), small)])
-    with empty_redis.client() as raw:
-        raw.expire(name_of(store, key(1)), 10)
-    calls: list[int] = []
-    assert store.get_many([key(1), key(3), key(2)], lambda: calls.append(1), in_pieces=True) == [big, None, small]
-    # 3 pieces of the big value and 1 of the small one, after the reads, after each MiB or part of a tag's hash
-    assert len(calls) == 3 + 1 + 1 + 3 + 1
-    with empty_redis.client() as raw:
-        assert raw.ttl(name_of(store, key(1))) > TTL_S - 5
-        sealed = bytearray(raw.get(name_of(store, key(1))))
-        sealed[PIECE_BYTES + 7] ^= 0x01  # a bit in the second piece
-        raw.set(name_of(store, key(1)), bytes(sealed))
-    assert store.get_many([key(1)], in_pieces=True) == [None]
-    assert store.stats().num_corrupt == 1
-
-
-def test_a_value_that_changes_length_while_read_in_pieces_is_a_miss(empty_redis: RedisServer,
-                                                                     store: RedisStore) -> None:
-    """Rewritten between two pieces (another host stored it again, or it was evicted): a miss, not a torn read."""
-    store.put_many([(key(1), value(1, 2 * PIECE_BYTES))])
-    name = name_of(store, key(1))
-    pieces = 0
-
-    def rewrite_after_the_first_piece() -> None:
-        nonlocal pieces
-        pieces += 1
-        if pieces == 2:
-            with empty_redis.client() as raw:
-                raw.set(name, b"shorter")
-
-    assert store.get_many([key(1)], rewrite_after_the_first_piece, in_pieces=True) == [None]
-
-
 def test_a_value_sealed_under_another_secret_is_refused(empty_redis: RedisServer) -> None:
     ours, theirs = make_store(empty_redis.url), make_store(empty_redis.url, secret=OTHER_SECRET)
     assert ours.key_prefix != theirs.key_prefix  # a rotation under way: disjoint keys, no fight
@@ -370,7 +331,6 @@ def test_a_cluster_spreads_keys_over_its_masters(redis_factory: RedisFactory) ->
     items = [(key(i), value(i)) for i in range(60)]
     assert store.put_many(items)
     assert store.get_many([k for k, _ in items]) == [v for _, v in items]
-    assert store.get_many([k for k, _ in items[:5]], in_pieces=True) == [v for _, v in items[:5]]
     assert store.contains_prefix([key(0), key(1), key(999)]) == 2
     per_node = []
     for node in nodes:

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from kvtierd.storage.codecs import Between, Buffer, no_pause
 from kvtierd.storage.kv_frame import ChunkIdentity
 from kvtierd.storage.redis_store import RedisStore
-from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.chunk import ChunkSpan
 from kvtierd.tiers.device_chunk import DeviceChunk
 from kvtierd.tiers.fleet_epoch import FleetEpoch
@@ -51,8 +50,7 @@ class RemoteBackend(WriterBackend):
         return self.fleet_epoch.knows(key)
 
     def _get(self, key: bytes, between: Between = no_pause) -> Buffer | None:
-        # A load that yields to steps reads a value in pieces, each in a slice of its own.
-        return self.storage.get_many([key], between, in_pieces=BACKGROUND_WORK.pacing())[0]
+        return self.storage.get_many([key], between)[0]
 
     def _found(self, key: bytes) -> None:
         self.fleet_epoch.remember(key)  # the fleet has it: no need to send it back
