@@ -7,12 +7,13 @@ A chunk's pages are wherever the pool put them. Out of a CPU pool, each
 layer's K and V move in one `index_select`, however scattered the pages: a
 copy per run of consecutive pages cost a torch call per page of a scattered
 chunk (16 scattered pages, 30 layers, one thread: 13.7 ms against 1.2 ms).
-Into the pool, and out of a CUDA one, each run of consecutive page ids is one
-slice copy per layer and K/V: into a CPU pool `index_copy_` measured 2.4x
-slower than one slice copy for consecutive pages, which a load's fresh pages
-usually are. The pool is one tensor, so a load copies each run in a group of
-layers at once and hashes the group's bytes right after: every layer in one
-group when it need not yield to steps, PACED_SLICE_BYTES a group when it does.
+Out of a CUDA pool, each run of consecutive page ids is one slice copy per
+layer and K/V. Into a pool, each run is one slice copy per group of layers
+(the pool is one tensor): into a CPU pool `index_copy_` measured 2.4x slower
+than a slice copy for consecutive pages, which a load's fresh pages usually
+are. A group's bytes are hashed right after its copy read them; a load that
+need not yield to steps copies every layer in one group, a paced one
+PACED_SLICE_BYTES a group (a slice each).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ caller owns the pages' references: this table only says when they may go.
 
 The workers are paced (tiers/background_work.py): while the engine computes
 for running requests, loads take turns, a chunk each, and work in slices
-(a group of layers' copy, a MiB of hashing or decoding) only between its steps,
-within the time the engine lends them.
+(a group of layers' copy, a MiB of hashing or decoding) only between its
+steps, within the time the engine lends them.
 
 Transfer times are recorded per tier and direction (`TransferStats`): loads
 here, stores by the tier manager (host) and the writers (disk, remote).
