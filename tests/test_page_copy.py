@@ -2,11 +2,9 @@
 not in one piece; either way the pages hold the chunk's pages from `skip` on, nothing else changes, and the
 returned hash is the payload's."""
 
-import threading
-import time
-
 import torch
 import xxhash
+from test_paced_loads import Lender
 
 from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.geometry import KVGeometry
@@ -21,13 +19,10 @@ SKIP = 5
 BLOCK_IDS = [*range(40, 70), *range(3, 31), 90]
 
 
-def _payload() -> tuple[bytearray, memoryview]:
-    """A chunk's payload at an odd offset in its buffer (as in a stored frame), and a view of its bytes."""
-    copier = PageCopier(DeviceKVPool(GEOMETRY, 1, torch.device("cpu")))
+def _payload(copier: PageCopier) -> memoryview:
+    """A chunk's payload, at an odd offset in its buffer (as in a stored frame)."""
     kv = torch.randn(copier.shape(CHUNK_PAGES), generator=torch.Generator().manual_seed(7)).to(GEOMETRY.dtype)
-    raw = kv.reshape(-1).view(torch.uint8).numpy().tobytes()
-    buffer = bytearray(b"\x01" * 3) + bytearray(raw)
-    return buffer, memoryview(buffer)[3:]
+    return memoryview(b"\x01" * 3 + kv.reshape(-1).view(torch.uint8).numpy().tobytes())[3:]
 
 
 def _scatter(paced: bool) -> tuple[DeviceKVPool, int, bool]:
@@ -35,27 +30,19 @@ def _scatter(paced: bool) -> tuple[DeviceKVPool, int, bool]:
     lends the workers time, as a step loop does) or not; returns the pool, the hash and whether it was paced."""
     pool = DeviceKVPool(GEOMETRY, 100, torch.device("cpu"))
     copier = PageCopier(pool)
-    _, payload = _payload()
-    kv = torch.frombuffer(payload, dtype=torch.uint8).view(copier.byte_shape(CHUNK_PAGES))
+    payload = _payload(copier)
+    kv = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(copier.byte_shape(CHUNK_PAGES))
     workers = BACKGROUND_WORK.paced_pool(1, "test-page-copy")
-    stop = threading.Event()
-
-    def lend() -> None:
-        while not stop.is_set():
-            BACKGROUND_WORK.lend(0.01)
-            time.sleep(0.001)
-
-    lender = threading.Thread(target=lend)
+    lender = None
     if paced:
         BACKGROUND_WORK.engine_computes(True)
-        lender.start()
+        lender = Lender(BACKGROUND_WORK)
     try:
         checksum, was_paced = workers.submit(
             lambda: (copier.scatter(kv, SKIP, BLOCK_IDS, payload), BACKGROUND_WORK.pacing())).result(timeout=60)
     finally:
-        if paced:
-            stop.set()
-            lender.join()
+        if lender is not None:
+            lender.stop()
             BACKGROUND_WORK.engine_computes(False)
         workers.shutdown(wait=True)
     return pool, checksum, was_paced
@@ -64,9 +51,9 @@ def _scatter(paced: bool) -> tuple[DeviceKVPool, int, bool]:
 def test_a_paced_copy_and_a_copy_in_one_piece_write_the_same_pages_and_hash():
     layer_bytes = GEOMETRY.bytes_per_block * CHUNK_PAGES // GEOMETRY.num_layers
     assert 2 * layer_bytes <= PACED_SLICE_BYTES < GEOMETRY.num_layers * layer_bytes, "paced: groups of a few layers"
-    _, payload = _payload()
     copier = PageCopier(DeviceKVPool(GEOMETRY, 1, torch.device("cpu")))
-    chunk = torch.frombuffer(bytearray(payload), dtype=GEOMETRY.dtype).view(copier.shape(CHUNK_PAGES))
+    chunk = torch.frombuffer(bytearray(_payload(copier)), dtype=GEOMETRY.dtype).view(copier.shape(CHUNK_PAGES))
+    payload = _payload(copier)
     for paced in (False, True):
         pool, checksum, was_paced = _scatter(paced)
         assert was_paced == paced
