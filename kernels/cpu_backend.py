@@ -39,14 +39,19 @@ def kernel_attention(decode: CpuDecodeKernel, prefill: CpuPrefillKernel):
     """`paged_attention(batch, q, k_cache, v_cache, scale)` with the decodes on `decode` and each prefill
     sequence on `prefill` (bfloat16 q and cache), but for one of a single token (the last of a prompt found
     whole in the cache), which is a decode: the decode kernel splits its context between the threads, where
-    the prefill kernel's items are (KV head, block of queries): 3 for one token, on 2 threads."""
+    the prefill kernel's items are (KV head, block of queries): 3 for one token, on 2 threads. Such tokens
+    right after the decodes go in the decodes' call: the threads share the long context's segments and the
+    short ones' in one parallel region, where a call of their own left one thread idle at the end of each
+    (three short decodes are 3 items on 2 threads) and started a region more per layer."""
 
     def paged_attention(batch: PagedBatch, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         scale: float) -> torch.Tensor:
         out = q.new_empty(q.shape)
-        _decodes(decode, batch, q, k_cache, v_cache, scale, out)
-        start = batch.num_decodes  # decodes hold exactly one token each
-        for i in range(batch.num_decodes, batch.num_seqs):
+        start = _single_tokens(batch)  # sequences (and rows) of one token each, from the first
+        if start:
+            decode.decode(out[:start], q[:start], k_cache, v_cache, batch.block_tables[:start],
+                          batch.context_lens[:start], batch.context_lens_host[:start], scale)
+        for i in range(start, batch.num_seqs):
             rows = slice(start, start + batch.query_lens_host[i])
             if batch.query_lens_host[i] == 1:  # a cached prompt's last token: a decode, split over the threads
                 decode.decode(out[rows], q[rows], k_cache, v_cache, batch.block_tables[i : i + 1],
@@ -59,6 +64,14 @@ def kernel_attention(decode: CpuDecodeKernel, prefill: CpuPrefillKernel):
         return out
 
     return paged_attention
+
+
+def _single_tokens(batch: PagedBatch) -> int:
+    """How many sequences from the first hold one token each: the decodes, then any prefill of one token."""
+    n = batch.num_decodes
+    while n < batch.num_seqs and batch.query_lens_host[n] == 1:
+        n += 1
+    return n
 
 
 def _decodes(kernel: CpuDecodeKernel, batch: PagedBatch, q: torch.Tensor, k_cache: torch.Tensor,

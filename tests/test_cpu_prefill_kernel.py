@@ -8,6 +8,7 @@ from paged_fixtures import scattered_batch
 
 from kvtierd.kernels import reference
 from kvtierd.kernels.backend import select_backend
+from kvtierd.kernels.cpu_decode import cpu_decode_kernel
 from kvtierd.kernels.cpu_prefill import cpu_prefill_kernel
 
 BLOCK = 16
@@ -98,3 +99,23 @@ def test_the_backend_attends_a_mixed_step_as_the_torch_reference(kernel64):
     out = backend.paged_attention(backend.build_plan(batch), q, k_cache, v_cache, 0.125)
     expected = reference.paged_attention(reference.ReferencePlan.build(batch), q, k_cache, v_cache, 0.125)
     assert torch.allclose(out.float(), expected.float(), atol=1e-2)  # each rounded to bfloat16 once
+
+
+def test_a_cached_prompts_last_token_after_the_decodes_attends_in_their_call_to_the_same_bits(kernel64):
+    gen = torch.Generator().manual_seed(4)
+    k_cache = torch.randn(600, BLOCK, 3, 64, generator=gen).bfloat16()
+    v_cache = torch.randn(600, BLOCK, 3, 64, generator=gen).bfloat16()
+    # three decodes, a long cached prompt's last token (the step it joins them in), a chunk of a prompt
+    context_lens, query_lens = [200, 180, 220, 2560, 900], [1, 1, 1, 1, 16]
+    batch, _ = scattered_batch(context_lens, query_lens, 3, BLOCK, 600, gen)
+    q = torch.randn(sum(query_lens), 9, 64, generator=gen).bfloat16()
+    backend = select_backend(torch.device("cpu"), torch.bfloat16, torch.bfloat16, 64)
+    out = backend.paged_attention(backend.build_plan(batch), q, k_cache, v_cache, 0.125)
+    expected = reference.paged_attention(reference.ReferencePlan.build(batch), q, k_cache, v_cache, 0.125)
+    assert torch.allclose(out.float(), expected.float(), atol=1e-2)
+    decode = cpu_decode_kernel(64)
+    for i in range(4):  # each single-token row as a call of its own computes: a sequence's parts are its own
+        alone = torch.empty_like(q[i : i + 1])
+        decode.decode(alone, q[i : i + 1], k_cache, v_cache, batch.block_tables[i : i + 1],
+                      batch.context_lens[i : i + 1], batch.context_lens_host[i : i + 1], 0.125)
+        assert torch.equal(out[i : i + 1], alone)
