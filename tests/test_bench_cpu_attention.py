@@ -20,3 +20,5 @@ def test_a_small_cpu_attention_bench_times_every_path():
         has_prefill = r["batch_size"] == 1 and cpu_prefill_kernel(64) is not None
         assert (r["prefill_kernel_ms"] is not None) == has_prefill
     assert f["read_gbps"] > 0
+    assert f["join"]["context_len"] == 300 and f["join"]["decode_lens"] == [200, 180, 220]
+    assert min(f["join"]["one_call_ms"], f["join"]["own_call_ms"]) > 0

@@ -8,7 +8,9 @@ cache from the layer before), its pages scattered in a pool four times their
 number; beside it, the same attention through the C prefill kernel (a cached
 prompt's last token took that path before it went through the decode kernel)
 and the torch reference (gather + SDPA), and the machine's read bandwidth.
-GB/s are of KV bytes read.
+GB/s are of KV bytes read. Then the step in which a long cached context's
+last token joins short decodes: that token in the decodes' kernel call (as
+`kernels/cpu_backend.py` sends it) beside a call of its own after theirs.
 Each configuration is checked against the reference before it is timed.
 """
 
@@ -41,6 +43,16 @@ class CpuAttentionRow:
     reference_ms: float  # the torch reference
 
 
+@dataclass(frozen=True, slots=True)
+class JoinRow:
+    """A long cached context's last token beside short decodes, over every layer."""
+
+    context_len: int
+    decode_lens: list[int]
+    one_call_ms: float  # in the decodes' call
+    own_call_ms: float  # in a call of its own after theirs
+
+
 def read_bandwidth_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     """Bytes a sum over a large tensor reads per second, at torch's threads."""
     x = torch.ones(nbytes // 8, dtype=torch.int64)
@@ -50,8 +62,10 @@ def read_bandwidth_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 def run_cpu_attention_bench(contexts: tuple[int, ...] = (512, 2560, 8192), batches: tuple[int, ...] = (1, 4),
                             num_layers: int = 30, num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
-                            block_size: int = 16, repeats: int = 7) -> dict:
-    """The bundled model's geometry by default (SmolLM2-135M: 30 layers, 9 heads over 3 KV heads of 64)."""
+                            block_size: int = 16, repeats: int = 7,
+                            join_decode_lens: tuple[int, ...] = (200, 180, 220)) -> dict:
+    """The bundled model's geometry by default (SmolLM2-135M: 30 layers, 9 heads over 3 KV heads of 64); the
+    join row's long context is the longest of `contexts`, beside decodes over `join_decode_lens` tokens."""
     decode, prefill = cpu_decode_kernel(head_dim), cpu_prefill_kernel(head_dim)
     if decode is None:
         raise RuntimeError("the CPU decode kernel could not be built here (a C compiler is needed)")
@@ -60,9 +74,11 @@ def run_cpu_attention_bench(contexts: tuple[int, ...] = (512, 2560, 8192), batch
         for batch_size in batches:
             rows.append(_row(decode, prefill, context_len, batch_size, num_layers, num_heads, num_kv_heads, head_dim,
                              block_size, repeats))
+    join = _join_row(decode, max(contexts), list(join_decode_lens), num_layers, num_heads, num_kv_heads, head_dim,
+                     block_size, repeats)
     return {"num_layers": num_layers, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
             "block_size": block_size, "threads": torch.get_num_threads(), "read_gbps": read_bandwidth_gbps(),
-            "rows": [asdict(r) for r in rows]}
+            "rows": [asdict(r) for r in rows], "join": asdict(join)}
 
 
 def _row(decode, prefill, context_len, batch_size, num_layers, num_heads, num_kv_heads, head_dim, block_size,
@@ -101,6 +117,46 @@ def _row(decode, prefill, context_len, batch_size, num_layers, num_heads, num_kv
     kv_bytes = 2 * num_layers * batch_size * context_len * num_kv_heads * head_dim * 2
     return CpuAttentionRow(context_len, batch_size, kv_bytes / 1e6, decode_s * 1e3, kv_bytes / decode_s / 1e9,
                            None if prefill_s is None else prefill_s * 1e3, reference_s * 1e3)
+
+
+def _join_row(decode, context_len, decode_lens, num_layers, num_heads, num_kv_heads, head_dim, block_size,
+              repeats) -> JoinRow:
+    gen = torch.Generator().manual_seed(context_len)
+    lens = [*decode_lens, context_len]
+    pages = [-(-n // block_size) for n in lens]
+    num_pages = POOL_SHARE * sum(pages)
+    order = torch.randperm(num_pages, generator=gen)[: sum(pages)].tolist()
+    tables = [order[sum(pages[:i]) : sum(pages[: i + 1])] for i in range(len(lens))]
+    slots = [t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, lens, strict=True)]
+    batch = PagedBatch.build(block_size, len(decode_lens), [1] * len(lens), lens, tables, slots, torch.device("cpu"))
+    shape = (num_pages, block_size, num_kv_heads, head_dim)
+    pools = [torch.randn((2, *shape), generator=gen).bfloat16() for _ in range(num_layers)]
+    q = torch.randn(len(lens), num_heads, head_dim, generator=gen).bfloat16()
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    d = len(decode_lens)
+
+    def one_call(k, v):
+        decode.decode(out, q, k, v, batch.block_tables, batch.context_lens, batch.context_lens_host, scale)
+
+    def own_call(k, v):
+        decode.decode(out[:d], q[:d], k, v, batch.block_tables[:d], batch.context_lens[:d],
+                      batch.context_lens_host[:d], scale)
+        decode.decode(out[d:], q[d:], k, v, batch.block_tables[d:], batch.context_lens[d:],
+                      batch.context_lens_host[d:], scale)
+
+    expected = reference.paged_attention(reference.ReferencePlan.build(batch), q, pools[0][0], pools[0][1], scale)
+    times: dict[Callable, list[float]] = {one_call: [], own_call: []}
+    for attend in times:
+        attend(pools[0][0], pools[0][1])
+        error = (out.float() - expected.float()).abs().max().item()
+        if error > TOLERANCE:
+            raise RuntimeError(f"the decode kernel disagrees with the reference by {error:.2e} (join)")
+    for _ in range(repeats):  # alternating, so both see the same machine
+        for attend, seconds in times.items():
+            seconds.append(_seconds(lambda a=attend: [a(kv[0], kv[1]) for kv in pools]))
+    return JoinRow(context_len, decode_lens, statistics.median(times[one_call]) * 1e3,
+                   statistics.median(times[own_call]) * 1e3)
 
 
 def _seconds(fn: Callable[[], object]) -> float:

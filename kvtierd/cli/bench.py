@@ -324,6 +324,10 @@ def bench_cpu_attention(
         [[r["context_len"], r["batch_size"], r["kv_mb"], r["decode_ms"], r["decode_gbps"],
           "-" if r["prefill_kernel_ms"] is None else r["prefill_kernel_ms"], r["reference_ms"]] for r in f["rows"]],
     )
+    j = f["join"]
+    typer.echo(f"a {j['context_len']:,}-token context's last token joining decodes over "
+               f"{', '.join(map(str, j['decode_lens']))} tokens: {j['one_call_ms']:.2f} ms in their call, "
+               f"{j['own_call_ms']:.2f} ms in a call of its own after theirs (ms a step, median)")
     write_json(json_path, {"machine": m, **f})
 
 
