@@ -45,7 +45,9 @@ the daemon's step budget (`[qos] step_budget_ms`) then cuts the long
 prompts' work around the streams' steps, which shows what that trade costs
 the long prompts' TTFT.
 
-A gap belongs to the window its second token arrived in. Then, on the writer
+A gap belongs to the window its second token arrived in. The bench's own
+garbage collections wait for the spells between loads (a full one of the
+client's objects took 56-232 ms of one of the two cores). Then, on the writer
 daemon (disk and remote on), the stores: a chat session's next turn sent right
 after a long first turn, while that turn's KV is written below behind it,
 beside another session's next turn sent `turn_later_s` later; before each
@@ -55,6 +57,7 @@ first turn, the daemon's pending writes (the long prompts') are let finish.
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import shutil
@@ -245,7 +248,19 @@ async def _measure(socket: Path, w: StallWorkload, name: str, warm: list[int], p
     costs, as its first request does); then each of the others in turn, each followed by a fresh prompt of its
     length (the recompute), then a quiet spell QUIET_SPELL_X times the longest load so far, so the next load's
     window without it (as long as that load's window) holds only the streams' own steps. `between_loads` runs
-    before each quiet spell: what it costs the machine (the page cache dropped) lands in neither window."""
+    before each quiet spell: what it costs the machine (the page cache dropped) lands in neither window, and
+    so do the bench's own garbage collections, held meanwhile: a full one of its objects took 56-232 ms of a
+    core beside the daemon's steps, a gap of that length in whichever window it fell in."""
+    gc.collect()
+    gc.disable()
+    try:
+        return await _measure_loads(socket, w, name, warm, prompts, fresh, before_load, between_loads)
+    finally:
+        gc.enable()
+
+
+async def _measure_loads(socket: Path, w: StallWorkload, name: str, warm: list[int], prompts: list[list[int]],
+                         fresh: list[list[int]], before_load, between_loads) -> dict:
     async with async_client(socket) as client:
         await _chat(client, [{"role": "user", "content": "Say hello."}], 2)  # warm-up, not measured
         log = Streams()
@@ -282,6 +297,7 @@ async def _measure(socket: Path, w: StallWorkload, name: str, warm: list[int], p
             infos.append(info)
             if between_loads is not None:
                 await asyncio.to_thread(between_loads)
+            gc.collect()
             # The next load's window without it lies in this spell (it is as long as that load's window), past
             # the streams' gap across the recompute, which ends in its first steps.
             longest = max(longest, ttft_load)
