@@ -22,7 +22,7 @@ def attention(kernel: CpuDecodeKernel):
     def paged_attention(plan: reference.ReferencePlan, q: torch.Tensor, k_cache: torch.Tensor,
                         v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         out = q.new_empty(q.shape)
-        _decodes(kernel, plan.batch, q, k_cache, v_cache, scale, out)
+        _decodes(kernel, plan.batch, q, k_cache, v_cache, scale, out, plan.batch.num_decodes)
         if plan.batch.num_decodes < q.shape[0]:
             reference.attend_prefills(plan, q, k_cache, v_cache, scale, out)
         return out
@@ -48,9 +48,7 @@ def kernel_attention(decode: CpuDecodeKernel, prefill: CpuPrefillKernel):
                         scale: float) -> torch.Tensor:
         out = q.new_empty(q.shape)
         start = _single_tokens(batch)  # sequences (and rows) of one token each, from the first
-        if start:
-            decode.decode(out[:start], q[:start], k_cache, v_cache, batch.block_tables[:start],
-                          batch.context_lens[:start], batch.context_lens_host[:start], scale)
+        _decodes(decode, batch, q, k_cache, v_cache, scale, out, start)
         for i in range(start, batch.num_seqs):
             rows = slice(start, start + batch.query_lens_host[i])
             if batch.query_lens_host[i] == 1:  # a cached prompt's last token: a decode, split over the threads
@@ -75,8 +73,8 @@ def _single_tokens(batch: PagedBatch) -> int:
 
 
 def _decodes(kernel: CpuDecodeKernel, batch: PagedBatch, q: torch.Tensor, k_cache: torch.Tensor,
-             v_cache: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    nd = batch.num_decodes
-    if nd:
-        kernel.decode(out[:nd], q[:nd], k_cache, v_cache, batch.block_tables, batch.context_lens,
-                      batch.context_lens_host[:nd], scale)
+             v_cache: torch.Tensor, scale: float, out: torch.Tensor, n: int) -> None:
+    """The first `n` sequences, one token each, in one kernel call."""
+    if n:
+        kernel.decode(out[:n], q[:n], k_cache, v_cache, batch.block_tables[:n], batch.context_lens[:n],
+                      batch.context_lens_host[:n], scale)
