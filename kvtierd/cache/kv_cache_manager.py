@@ -148,6 +148,13 @@ class KVCacheManager:
         table.num_tokens += num_new_tokens
         return Allocation(slots=slots, copies=copies)
 
+    def allocated_slots(self, seq_id: str, start: int, num_tokens: int) -> Allocation:
+        """The slots `allocate_slots` gave tokens `start` .. of `seq_id` already, for a step that computes them
+        again in part (a split join's second part: engine/scheduler.py): nothing new, nothing to copy."""
+        table = self._tables[seq_id]
+        assert start + num_tokens <= table.num_tokens, "those tokens have no slots yet"
+        return Allocation(slots=table.slots(start, num_tokens), copies=[])
+
     # -- finding and adopting cached KV ---------------------------------------------------
 
     def device_hit(self, root: BlockHash, token_ids: Sequence[int], hashes: BlockHashes | None = None) -> DeviceHit:

@@ -331,6 +331,35 @@ def bench_cpu_attention(
     write_json(json_path, {"machine": m, **f})
 
 
+@bench_app.command("join")
+def bench_join(
+    context: Annotated[int, typer.Option(help="Tokens of the cached prompt that joins the streams.")] = 2560,
+    streams: Annotated[int, typer.Option(help="Chat streams decoding.")] = 3,
+    joins: Annotated[int, typer.Option(help="Joins of each kind (medians).")] = 20,
+    threads: ThreadsOpt = 0,
+    json_path: JsonOpt = None,
+) -> None:
+    """The steps in which a long cached prompt's last token joins decoding streams: its layers split over two
+    steps beside all of them in one (in process, the bundled model)."""
+    import torch
+
+    from kvtierd.bench.join_bench import run_join_bench
+
+    if threads:
+        torch.set_num_threads(threads)
+    f = _figures(lambda: run_join_bench(context, streams, joins))
+    m = machine()
+    typer.echo(f"machine: {cpu_line(m)}, torch {m['torch']} ({f['threads']} threads), {m['date']}")
+    print_table(
+        f"a {f['context_len']:,}-token cached prompt's last token joining {f['streams']} decoding streams "
+        f"(ms, medians of {f['joins']} joins; the streams' own step: {f['plain_ms']:.2f})",
+        ["join", "steps", "each step", "longest", "longest p90", "steps' sum"],
+        [[kind, j["steps"], " / ".join(f"{t:.2f}" for t in j["each_ms"]), j["longest_ms"], j["longest_p90_ms"],
+          j["total_ms"]] for kind, j in (("split by layers", f["split"]), ("whole", f["whole"]))],
+    )
+    write_json(json_path, {"machine": m, **f})
+
+
 @bench_app.command("cpu-matmul")
 def bench_cpu_matmul(
     rows: Annotated[str, typer.Option(help="Rows (a step's tokens).")] = "1,2,3,4,5,6,8,16,32",

@@ -369,6 +369,8 @@ class LLMEngine:
         self.counters.preemptions += len(plan.preempted)
         for s in scheduled:
             req = s.request
+            if s.join_half == 1:
+                continue  # its token is computed once the rest of the layers have run, next step
             req.num_computed_tokens += s.num_new_tokens
             self.kv.commit(req.request_id, req.cache_root, req.token_ids, req.num_computed_tokens, req.tag,
                            req.block_hashes)

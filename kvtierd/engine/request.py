@@ -79,6 +79,9 @@ class Request:
     prefix_loaded: bool = False  # its prefix was loaded from below for this admission: recompute what did not come
     loaded: LoadTicket | None = None  # what its loads brought, from their arrival to its admission
     block_hashes: BlockHashes | None = None  # its pages' hashes in its namespace, each computed once
+    # A split join (engine/scheduler.py): its prompt's last token went through the first part of the layers in
+    # the last step, which left this residual row `[1, hidden]` for the rest to take up in the next.
+    join_hidden: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -25,6 +25,12 @@ RESTORED_STEP_SHARE over their decodes' cost, when RESTORED_MAX_PIECES of them s
 in one piece, each of its tokens attends over the whole loaded context, and
 the streams' step ran 3-5x its time.
 
+Split joins: a piece of one token is cut by layers instead. A cached prompt's
+last token beside running decodes whose context would add JOIN_SPLIT_SHARE to
+their step goes through the first half of the layers in one step and the rest
+in the next (`_split_joins`; engine/model_runner.py runs the two parts), its
+slot allocated once; preempted between them, it starts again.
+
 Prefills beside decodes: running requests' decodes are planned before any
 prefill chunk, and a chunk is sized beside them. With `prefill_share` set,
 a prompt (of their class or a lower one) computes, while they decode, in
@@ -105,6 +111,11 @@ RESTORED_STEP_SHARE = 0.2
 # ... in at most this many pieces, which bounds what pacing adds to its TTFT: a longer rest (a long new message
 # after a restored history, or a load that missed its deadline and recomputes) goes in full chunks.
 RESTORED_MAX_PIECES = 32
+# A cached prompt's last token whose attention over its context would add at least this share to the step of the
+# decodes it joins is split by layers: the first half of them in that step, the rest in the next (a split join).
+# Its context's K/V are read in two steps, not one: the step a 2,560-token context joined three streams in was
+# their longest gap, 21-27 ms against 13-16 (`bench stall`, Zen 4; one token of it: ~2 us of a step a token).
+JOIN_SPLIT_SHARE = 0.15
 LOADING = -1  # what `_admit` returns for a request that started loading its prefix instead
 
 
@@ -114,6 +125,7 @@ class ScheduledRequest:
     num_new_tokens: int
     allocation: Allocation
     context_len: int  # its tokens in the cache after the step: what its attention reads
+    join_half: int = 0  # a split join's part: 1, its token through the first half of the layers; 2, the rest
 
 
 @dataclass(slots=True)
@@ -140,8 +152,9 @@ class StepPlan:
 
     @property
     def shape(self) -> StepShape:
+        # A split join's part reads its context in half the layers.
         return StepShape(sum(s.num_new_tokens for s in self.prefills), len(self.decodes),
-                         sum(s.context_len for s in self.scheduled))
+                         sum(s.context_len // 2 if s.join_half else s.context_len for s in self.scheduled))
 
 
 @dataclass(slots=True)
@@ -167,6 +180,7 @@ class Scheduler:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.prefill_share = prefill_share  # what a prefill may add to a step of decodes, of their cost (0: off)
+        self.join_split_share = JOIN_SPLIT_SHARE  # a one-token piece adding this share to its decodes' step splits
         self.decoding = False  # the last plan had decodes: a prefill now would go beside them
         self.max_queue_s: Mapping[str, float] = qos.max_queue_s
         self.shed_low_after_s = qos.shed_low_after_s
@@ -212,8 +226,26 @@ class Scheduler:
                 room.limit_s, room.lower_floor = self._limit_s(room.top, plan.shape)
             self._serve_running(plan, room, lower)
             self._admit_waiting(plan, room, lower, inflight, no_room, deferred)
+        self._split_joins(plan)
         self.decoding = bool(plan.decodes)
         return plan
+
+    def _split_joins(self, plan: StepPlan) -> None:
+        """Marks the plan's split joins: a request whose prompt's last token went through the first half of the
+        layers last step takes the rest now; one whose last token is due now, beside running decodes, and
+        whose context would cost their step `join_split_share` or more, goes through the first half now."""
+        cost = self.step_cost.current
+        streams = [s for s in plan.decodes if s.request.num_output_tokens and s.request.join_hidden is None]
+        if not streams:
+            return
+        streams_s = cost.seconds(StepShape(0, len(streams), sum(s.context_len for s in streams)))
+        for s in plan.decodes:
+            req = s.request
+            if req.join_hidden is not None:
+                s.join_half = 2
+            elif not req.num_output_tokens and \
+                    cost.regime(plan.shape).context_token_s * s.context_len >= self.join_split_share * streams_s:
+                s.join_half = 1
 
     def _serve_running(self, plan: StepPlan, room: _StepRoom, lower: bool) -> None:
         """Plans the pending tokens of the running requests of the top class (or, `lower`, of the classes
@@ -230,7 +262,7 @@ class Scheduler:
                 n = self._num_new_tokens(req, plan, room)
                 if n == 0:
                     continue  # the time is spent for it; a decode of another may still fit
-                alloc = self.kv.allocate_slots(req.request_id, n)
+                alloc = self._slots(req, n)
                 while alloc is None:
                     room.admitting = False  # memory is short: admit nobody
                     victim = self._pop_victim(room.planned)
@@ -240,6 +272,12 @@ class Scheduler:
                         return  # the ones after it went first
                     alloc = self.kv.allocate_slots(req.request_id, n)
                 self._add_to_plan(plan, room, ScheduledRequest(req, n, alloc, req.num_computed_tokens + n))
+
+    def _slots(self, req: Request, n: int) -> Allocation | None:
+        """Slots for the next `n` tokens of running `req`: those it has, for a split join's second part."""
+        if req.join_hidden is not None:
+            return self.kv.allocated_slots(req.request_id, req.num_computed_tokens, n)
+        return self.kv.allocate_slots(req.request_id, n)
 
     def _admit_waiting(self, plan: StepPlan, room: _StepRoom, lower: bool, inflight: set[BlockHash],
                        no_room: set[str], deferred: set[TenantKey]) -> None:
@@ -475,6 +513,7 @@ class Scheduler:
     def _preempt(self, req: Request) -> None:
         self.kv.free(req.request_id)
         req.num_computed_tokens = 0
+        req.join_hidden = None  # a split join's first part is lost with its pages
         req.prefix_loaded = False  # what it lost may be below now: its next admission may load it
         req.num_preemptions += 1
         self.waiting.add(req, front=True)
