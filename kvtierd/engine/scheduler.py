@@ -113,8 +113,8 @@ RESTORED_STEP_SHARE = 0.2
 RESTORED_MAX_PIECES = 32
 # A cached prompt's last token whose attention over its context would add at least this share to the step of the
 # decodes it joins is split by layers: the first half of them in that step, the rest in the next (a split join).
-# Its context's K/V are read in two steps, not one: the step a 2,560-token context joined three streams in was
-# their longest gap, 21-27 ms against 13-16 (`bench stall`, Zen 4; one token of it: ~2 us of a step a token).
+# Its context's K/V are read over two steps, not in one: a 2,560-token context took three streams' step from
+# 11.9 to 18.4 ms whole, to 15.5 and 15.0 split (`bench join`, 2 threads, AMD EPYC).
 JOIN_SPLIT_SHARE = 0.15
 LOADING = -1  # what `_admit` returns for a request that started loading its prefix instead
 
@@ -239,12 +239,12 @@ class Scheduler:
         if not streams:
             return
         streams_s = cost.seconds(StepShape(0, len(streams), sum(s.context_len for s in streams)))
+        context_token_s = cost.regime(plan.shape).context_token_s
         for s in plan.decodes:
             req = s.request
             if req.join_hidden is not None:
                 s.join_half = 2
-            elif not req.num_output_tokens and \
-                    cost.regime(plan.shape).context_token_s * s.context_len >= self.join_split_share * streams_s:
+            elif not req.num_output_tokens and context_token_s * s.context_len >= self.join_split_share * streams_s:
                 s.join_half = 1
 
     def _serve_running(self, plan: StepPlan, room: _StepRoom, lower: bool) -> None:
@@ -270,7 +270,7 @@ class Scheduler:
                     plan.preempted.append(victim)
                     if victim is req:
                         return  # the ones after it went first
-                    alloc = self.kv.allocate_slots(req.request_id, n)
+                    alloc = self._slots(req, n)
                 self._add_to_plan(plan, room, ScheduledRequest(req, n, alloc, req.num_computed_tokens + n))
 
     def _slots(self, req: Request, n: int) -> Allocation | None:
