@@ -46,9 +46,7 @@ class ModelRunner:
             hidden, starts = self._split(scheduled)
         else:
             rows = self._rows(scheduled)
-            hidden = model.run_layers(model.embed(rows.input_ids), rows.positions, kv_caches, rows.batch,
-                                      range(model.config.num_layers))
-            hidden, starts = model.final_norm(hidden), rows.starts
+            hidden, starts = model.forward(rows.input_ids, rows.positions, kv_caches, rows.batch), rows.starts
         sample_idx, sample_rows = [], []
         for i, (s, start) in enumerate(zip(scheduled, starts)):
             req = s.request
