@@ -118,3 +118,28 @@ def test_a_request_aborted_between_the_parts_of_its_join_leaves_no_page_and_the_
     run.finish()
     assert all(run.outs[s][-1].finished for s in streams) and not run.outs[rid]
     assert run.engine.kv.num_free_blocks == run.engine.kv.pool.num_blocks
+
+
+def test_a_split_join_whose_streams_end_with_its_first_part_takes_the_rest_alone(loaded, make_engine,
+                                                                                long_prompt):
+    alone = Recorder(make_engine())
+    alone.engine.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    reference = alone.engine.add_request(long_prompt, LONG)
+    alone.finish()
+
+    engine = make_engine()
+    engine.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    run = Recorder(engine)
+    stream = engine.add_request(chat(loaded, "Count to three."), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                                 ignore_eos=True))
+    while not engine.requests[stream].num_output_tokens:
+        run.step()
+    rid = engine.add_request(long_prompt, LONG)
+    req = engine.requests[rid]
+    run.step()  # its first part, and the stream's last token
+    assert req.join_hidden is not None and run.outs[stream][-1].finished
+    run.step()  # the rest of its layers with nothing else to run
+    assert req.join_hidden is None and len(run.outs[rid]) == 1
+    run.finish()
+    assert run.tokens(rid) == alone.tokens(reference)
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks

@@ -234,17 +234,18 @@ class Scheduler:
         """Marks the plan's split joins: a request whose prompt's last token went through the first half of the
         layers last step takes the rest now; one whose last token is due now, beside running decodes, and
         whose context would cost their step `join_split_share` or more, goes through the first half now."""
-        cost = self.step_cost.current
-        streams = [s for s in plan.decodes if s.request.num_output_tokens and s.request.join_hidden is None]
+        for s in plan.decodes:
+            if s.request.join_hidden is not None:  # whether or not the streams it joined are still running
+                s.join_half = 2
+        streams = [s for s in plan.decodes if s.request.num_output_tokens and not s.join_half]
         if not streams:
             return
+        cost = self.step_cost.current
         streams_s = cost.seconds(StepShape(0, len(streams), sum(s.context_len for s in streams)))
         context_token_s = cost.regime(plan.shape).context_token_s
         for s in plan.decodes:
-            req = s.request
-            if req.join_hidden is not None:
-                s.join_half = 2
-            elif not req.num_output_tokens and context_token_s * s.context_len >= self.join_split_share * streams_s:
+            if not s.join_half and not s.request.num_output_tokens and \
+                    context_token_s * s.context_len >= self.join_split_share * streams_s:
                 s.join_half = 1
 
     def _serve_running(self, plan: StepPlan, room: _StepRoom, lower: bool) -> None:
