@@ -7,7 +7,8 @@ regions: on 2 cores (Zen 5), the int4 matrices of a decode step took 4.4 ms from
 computed, and 12 ms from a second one (the daemon's step thread, the model having been loaded on another), a
 daemon's decode ~2.5x slower than the engine's. So the daemon loads its model and runs every step on one
 thread (`step_executor`), and the other threads that may run torch ops (the tiers' workers) run them on
-themselves alone (`tiers/background_work.py`: `single_threaded`, their pools' initializer).
+themselves alone (`tiers/background_work.py`: `init_worker_thread`, their pools' initializer). On the
+CPU backend the step thread and its team are also bound one to a core (`thread_pinning.py`).
 """
 
 from __future__ import annotations

@@ -60,6 +60,7 @@ SAMPLES: dict[str, tuple[tuple[Any, Any], tuple[str, Any], tuple[Any, Any]]] = {
     "max_num_batched_tokens": ((1024, 1024), ("4096", 4096), (512, 512)),
     "max_num_seqs": ((8, 8), ("16", 16), (4, 4)),
     "prefill_share": ((0.25, 0.25), ("0.5", 0.5), (0, 0.0)),
+    "pin_compute_threads": ((False, False), ("on", True), ("false", False)),
     "max_model_len": ((2048, 2048), ("4096", 4096), (1024, 1024)),
     "default_max_tokens": ((64, 64), ("128", 128), (16, 16)),
     "host_bytes": (("512MiB", 512 << 20), ("0", 0), (1 << 30, 1 << 30)),

@@ -25,6 +25,7 @@ from aiohttp import web
 from kvtierd.engine.async_engine import AsyncEngine
 from kvtierd.engine.config import EngineConfig, QosConfig
 from kvtierd.engine.llm_engine import LLMEngine
+from kvtierd.kernels.thread_pinning import pin_compute_threads
 from kvtierd.kernels.torch_threads import step_executor
 from kvtierd.model.loader import load_model
 from kvtierd.server.app import make_app
@@ -54,7 +55,10 @@ def resolve_device(device: str) -> str:
 def build_state(settings: Settings, executor: ThreadPoolExecutor) -> DaemonState:
     """Loads the model and builds the engine; called on `executor`, the thread the engine then computes on."""
     settings.state_dir.mkdir(parents=True, exist_ok=True)
-    loaded = load_model(settings.model, resolve_device(settings.device), dtype=settings.dtype,
+    device = resolve_device(settings.device)
+    if device == "cpu" and settings.pin_compute_threads:
+        pin_compute_threads()  # before the model's load, this thread's first torch op
+    loaded = load_model(settings.model, device, dtype=settings.dtype,
                         cache_dir=settings.model_cache_dir, kv_dtype=settings.kv_dtype)
     engine = LLMEngine(loaded, EngineConfig(
         block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,

@@ -260,6 +260,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefill_share", "engine", "prefill_share", 0.0, float_at_least(0.0),
             "while requests decode, a prefill beside them adds at most this share to their step's cost (its "
             "chunks cut to fit: smooth streams, slower first tokens for long prompts); 0: off"),
+    Setting("pin_compute_threads", "engine", "pin_compute_threads", True, parse_bool,
+            "CPU backend: bind the step thread and torch's worker threads one to a core (of those the daemon may "
+            "use), so two never share a core while another idles; off: the kernel places them"),
     Setting("max_model_len", "engine", "max_model_len", 0, int_between(0), "context window in tokens (0: the model's)"),
     Setting("default_max_tokens", "engine", "default_max_tokens", 512, int_between(1), "max_tokens when a request gives none"),
     Setting("host_bytes", "tiers", "host_bytes", 2 << 30, parse_bytes,
@@ -376,6 +379,7 @@ class Settings:
     max_num_batched_tokens: int
     max_num_seqs: int
     prefill_share: float
+    pin_compute_threads: bool
     max_model_len: int
     default_max_tokens: int
     host_bytes: int

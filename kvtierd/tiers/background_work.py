@@ -49,6 +49,7 @@ such waits 300 ms a call while the steps ran at one thread beside them.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -77,10 +78,13 @@ SLICE_WAIT_S = 0.05
 COUNTED_WAIT_S = 0.02
 
 
-def single_threaded() -> None:
+def init_worker_thread() -> None:
     """The tiers' worker pools' initializer: torch ops on a worker run on it alone (OpenMP's thread count is per
-    thread), so only the step thread keeps a team of OpenMP workers (kernels/torch_threads.py says why)."""
+    thread), so only the step thread keeps a team of OpenMP workers (kernels/torch_threads.py says why); and a
+    worker runs on any core the process may use, the main thread's, not on the one core of the step thread
+    that started it (a thread inherits its creator's affinity: kernels/thread_pinning.py)."""
     torch.set_num_threads(1)
+    os.sched_setaffinity(0, os.sched_getaffinity(os.getpid()))
 
 
 class BackgroundWork:
@@ -326,7 +330,7 @@ class BackgroundWork:
 
 class _CountedPool(ThreadPoolExecutor):
     def __init__(self, work: BackgroundWork, max_workers: int, thread_name_prefix: str) -> None:
-        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=single_threaded)
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=init_worker_thread)
         self._work = work
 
     def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
@@ -348,7 +352,7 @@ class PacedPool(ThreadPoolExecutor):
     """Its tasks do not count; while an engine computes they take turns and run in slices within its lends."""
 
     def __init__(self, work: BackgroundWork, max_workers: int, thread_name_prefix: str) -> None:
-        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=single_threaded)
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=init_worker_thread)
         self._work = work
 
     def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
@@ -402,7 +406,7 @@ class _DeferringPool(ThreadPoolExecutor):
     """Its tasks start when the engines are idle or `defer_s` after their submission, and count from then."""
 
     def __init__(self, work: BackgroundWork, max_workers: int, thread_name_prefix: str, defer_s: float) -> None:
-        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=single_threaded)
+        super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=init_worker_thread)
         self._work = work
         self._defer_s = defer_s
         self._shutting = False

@@ -19,7 +19,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
-from kvtierd.tiers.background_work import BACKGROUND_WORK, single_threaded
+from kvtierd.tiers.background_work import BACKGROUND_WORK, init_worker_thread
 from kvtierd.tiers.chunk import FoundChunk
 from kvtierd.tiers.disk_backend import DiskBackend
 from kvtierd.tiers.host_backend import HostBackend
@@ -43,7 +43,7 @@ class Prefetcher:
         self._lookup = lookup
         # Not a counted pool: most prefetches look a new prompt up, find nothing and end. Had they counted, a
         # step starting meanwhile (the prompt's own first) would leave them a core for its whole length.
-        self._pool = ThreadPoolExecutor(1, "kvtierd-prefetch", initializer=single_threaded)
+        self._pool = ThreadPoolExecutor(1, "kvtierd-prefetch", initializer=init_worker_thread)
         self._lock = threading.Lock()
         self._prefetching: dict[bytes, Future] = {}  # host key -> its copy up, until done
         # host key -> the tier a prefetch copied it from, until a load uses it: that load counts for that tier

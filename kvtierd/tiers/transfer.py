@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from kvtierd.tiers.background_work import BACKGROUND_WORK, single_threaded
+from kvtierd.tiers.background_work import BACKGROUND_WORK, init_worker_thread
 from kvtierd.tiers.chunk import FoundChunk
 from kvtierd.tiers.tier import Tier
 
@@ -120,7 +120,7 @@ class TransferQueue:
         self.num_workers = workers
         self._pool = BACKGROUND_WORK.paced_pool(workers, "kvtierd-transfer")
         self._lookup_pool = ThreadPoolExecutor(max_workers=LOOKUP_WORKERS, thread_name_prefix="kvtierd-lookup",
-                                               initializer=single_threaded)
+                                               initializer=init_worker_thread)
         _start_threads(self._pool, workers)
         _start_threads(self._lookup_pool, LOOKUP_WORKERS)
         self._lookups = 0  # lookups not finished yet (under `_finished`)
