@@ -143,3 +143,31 @@ def test_a_split_join_whose_streams_end_with_its_first_part_takes_the_rest_alone
     run.finish()
     assert run.tokens(rid) == alone.tokens(reference)
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
+
+
+def test_a_one_token_piece_of_a_longer_prefill_is_not_split(loaded, make_engine, long_prompt):
+    """A step's room can cut a prompt's prefill to one token beside the decodes: that token is no join (the
+    prompt has more to compute), and when the room grows the next step its next piece is longer than one."""
+    prompt = long_prompt + chat(loaded, "Why?")[-3:]  # cached pages, then three tokens to compute
+    alone = Recorder(make_engine())
+    alone.engine.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    reference = alone.engine.add_request(prompt, LONG)
+    alone.finish()
+
+    engine = make_engine(max_num_batched_tokens=2)  # a decode and one token of a prefill
+    engine.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0))
+    run = Recorder(engine)
+    stream = engine.add_request(chat(loaded, "Count to three."), SamplingParams(max_tokens=2, temperature=0.0,
+                                                                                 ignore_eos=True))
+    while not engine.requests[stream].num_output_tokens:
+        run.step()
+    rid = engine.add_request(prompt, LONG)
+    req = engine.requests[rid]
+    run.step()  # the stream's last token, and one token of the prompt's three
+    assert run.outs[stream][-1].finished and req.num_computed_tokens == len(long_prompt) + 1
+    assert req.join_hidden is None
+    run.step()  # the room is the prompt's alone: its other two tokens in one piece
+    assert req.num_computed_tokens == len(prompt)
+    run.finish()
+    assert run.tokens(rid) == alone.tokens(reference)
+    assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks

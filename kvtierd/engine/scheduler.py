@@ -243,8 +243,8 @@ class Scheduler:
         cost = self.step_cost.current
         streams_s = cost.seconds(StepShape(0, len(streams), sum(s.context_len for s in streams)))
         context_token_s = cost.regime(plan.shape).context_token_s
-        for s in plan.decodes:
-            if not s.join_half and not s.request.num_output_tokens and \
+        for s in plan.decodes:  # a prompt's last token only: a room of one token cuts a prefill to one as well
+            if not s.join_half and not s.request.num_output_tokens and s.request.num_pending_tokens == 1 and \
                     context_token_s * s.context_len >= self.join_split_share * streams_s:
                 s.join_half = 1
 
