@@ -19,19 +19,18 @@ creates it at that thread's first region and keeps it (a narrower region uses
 part of it), and its threads inherit their creator's affinity. So the team is
 started here, on the step thread before it first computes, and told apart as
 the threads that appeared meanwhile; each is then bound to a core of its own.
-Threads the daemon starts elsewhere keep every core.
+Threads the daemon starts elsewhere keep every core; the tiers' workers, which
+the step thread starts, widen theirs back as they start
+(tiers/background_work.py: `init_worker_thread`).
 """
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-log = logging.getLogger(__name__)
 
 # Elements of the add that starts the team: above torch's grain size (32,768), so it runs as a parallel region.
 TEAM_START_ELEMENTS = 1 << 20
@@ -42,6 +41,18 @@ class PinnedThreads:
     step_cpu: int
     worker_cpus: tuple[int, ...]  # in the order of `worker_ids`
     worker_ids: tuple[int, ...]  # the workers' native thread ids
+
+    def __str__(self) -> str:
+        return (f"pinned: the step thread to CPU {self.step_cpu}, torch's workers to CPUs "
+                f"{', '.join(map(str, self.worker_cpus))}")
+
+
+@dataclass(frozen=True, slots=True)
+class NotPinned:
+    reason: str
+
+    def __str__(self) -> str:
+        return f"not pinned: {self.reason}"
 
 
 def one_cpu_per_core(cpus: set[int], sysfs: Path = Path("/sys/devices/system/cpu")) -> list[int]:
@@ -61,33 +72,27 @@ def _thread_ids() -> set[int]:
     return {int(t) for t in os.listdir("/proc/self/task")}
 
 
-def pin_compute_threads() -> PinnedThreads | None:
+def pin_compute_threads() -> PinnedThreads | NotPinned:
     """On the thread that will compute the steps, before it first runs a torch op: starts its OpenMP team and
-    binds it and its workers one to a core. None (nothing bound, and said in the log) when torch computes on
-    one thread, when there are fewer cores than threads, when the thread's team cannot be told apart (it had
-    started already, or another thread started beside it), or when the system refuses."""
+    binds it and its workers one to a core. Nothing is bound when torch computes on one thread, when there are
+    fewer cores than threads, when the thread's team cannot be told apart (it had started already, or another
+    thread started beside it), or when the system refuses. The daemon logs the outcome once its model has
+    loaded (a start that fails says one line: its error)."""
     threads = torch.get_num_threads()
     if threads < 2:
-        log.info("compute threads not pinned: torch computes on one thread")
-        return None
+        return NotPinned("torch computes on one thread")
     cores = one_cpu_per_core(os.sched_getaffinity(0))
     if len(cores) < threads:
-        log.info("compute threads not pinned: %d threads on %d cores", threads, len(cores))
-        return None
+        return NotPinned(f"{threads} threads on {len(cores)} cores")
     before = _thread_ids()
     torch.ones(TEAM_START_ELEMENTS).add_(1)
     workers = sorted(_thread_ids() - before)
     if len(workers) != threads - 1:
-        log.info("compute threads not pinned: %d new threads beside the step thread, not torch's %d workers",
-                 len(workers), threads - 1)
-        return None
+        return NotPinned(f"{len(workers)} new threads beside the step thread, not torch's {threads - 1} workers")
     pinned = PinnedThreads(cores[0], tuple(cores[1:threads]), tuple(workers))
     try:
         for thread, cpu in zip((*pinned.worker_ids, 0), (*pinned.worker_cpus, pinned.step_cpu), strict=True):
             os.sched_setaffinity(thread, {cpu})
     except OSError as e:  # a sandbox that refuses it (systemd's @system-service allows it)
-        log.warning("compute threads not (all) pinned: %s", e)
-        return None
-    log.info("compute threads pinned: the step thread to CPU %d, torch's workers to CPUs %s", pinned.step_cpu,
-             ", ".join(map(str, pinned.worker_cpus)))
+        return NotPinned(f"refused ({e}); some workers may be bound")
     return pinned

@@ -14,7 +14,8 @@ import pytest
 import torch
 from daemon_fixtures import start_daemon
 
-from kvtierd.kernels.thread_pinning import TEAM_START_ELEMENTS, one_cpu_per_core, pin_compute_threads
+from kvtierd.kernels.thread_pinning import (TEAM_START_ELEMENTS, NotPinned, PinnedThreads, one_cpu_per_core,
+                                            pin_compute_threads)
 from kvtierd.tiers.background_work import init_worker_thread
 
 CORES = one_cpu_per_core(os.sched_getaffinity(0))
@@ -45,7 +46,7 @@ def test_the_step_thread_and_its_worker_get_a_core_each_and_keep_them():
         torch.ones(TEAM_START_ELEMENTS).add_(1)
         return {"pinned": pinned, "mine": os.sched_getaffinity(0), "bound": bound,
                 "after": {tid: os.sched_getaffinity(tid) for tid in pinned.worker_ids},
-                "new": set(os.listdir("/proc/self/task")) - threads, "again": pin_compute_threads()}
+                "new": set(os.listdir("/proc/self/task")) - threads}
 
     out = _on_a_new_thread(step_thread)
     pinned = out["pinned"]
@@ -53,7 +54,6 @@ def test_the_step_thread_and_its_worker_get_a_core_each_and_keep_them():
     assert out["mine"] == {CORES[0]}
     assert out["bound"] == {pinned.worker_ids[0]: {CORES[1]}}
     assert out["after"] == out["bound"] and not out["new"]
-    assert out["again"] is None  # its team had started: its workers cannot be told apart any more
     assert os.sched_getaffinity(0) == everyone  # the thread that started it is not bound
 
 
@@ -61,7 +61,7 @@ def test_the_step_thread_and_its_worker_get_a_core_each_and_keep_them():
 def test_a_tier_worker_started_by_the_bound_step_thread_runs_on_every_core():
     def step_thread() -> dict:
         torch.set_num_threads(2)
-        assert pin_compute_threads() is not None
+        assert isinstance(pin_compute_threads(), PinnedThreads)
         with ThreadPoolExecutor(1, initializer=init_worker_thread) as tiers, ThreadPoolExecutor(1) as plain:
             return {"tiers": tiers.submit(os.sched_getaffinity, 0).result(),
                     "plain": plain.submit(os.sched_getaffinity, 0).result()}
@@ -71,13 +71,26 @@ def test_a_tier_worker_started_by_the_bound_step_thread_runs_on_every_core():
     assert out["tiers"] == os.sched_getaffinity(os.getpid())
 
 
+@needs_two_cores
+def test_nothing_is_bound_for_a_thread_whose_team_had_started():
+    def step_thread() -> dict:
+        torch.set_num_threads(2)
+        torch.ones(TEAM_START_ELEMENTS).add_(1)  # its workers cannot be told apart from other threads any more
+        return {"pinned": pin_compute_threads(), "mine": os.sched_getaffinity(0)}
+
+    out = _on_a_new_thread(step_thread)
+    assert out["pinned"] == NotPinned("0 new threads beside the step thread, not torch's 1 workers")
+    assert out["mine"] == os.sched_getaffinity(os.getpid())
+
+
 def test_nothing_is_bound_for_a_step_thread_that_computes_alone():
     def step_thread() -> dict:
         torch.set_num_threads(1)
         return {"pinned": pin_compute_threads(), "mine": os.sched_getaffinity(0)}
 
     out = _on_a_new_thread(step_thread)
-    assert out["pinned"] is None and out["mine"] == os.sched_getaffinity(os.getpid())
+    assert out["pinned"] == NotPinned("torch computes on one thread")
+    assert out["mine"] == os.sched_getaffinity(os.getpid())
 
 
 def test_smt_siblings_count_as_one_core(tmp_path):
@@ -116,6 +129,6 @@ def test_a_daemon_binds_its_compute_threads_unless_told_not_to(tmp_path, pin):
     if pin == "true":
         assert len(single) >= 2 and len(set(single)) == len(single)  # the step thread and its workers, apart
         assert len(single) < len(masks)  # and no other thread
-        assert "compute threads pinned" in daemon.log_text()
+        assert "compute threads pinned: the step thread to CPU" in daemon.log_text()
     else:
-        assert single == []
+        assert single == [] and "compute threads" not in daemon.log_text()

@@ -56,8 +56,8 @@ def build_state(settings: Settings, executor: ThreadPoolExecutor) -> DaemonState
     """Loads the model and builds the engine; called on `executor`, the thread the engine then computes on."""
     settings.state_dir.mkdir(parents=True, exist_ok=True)
     device = resolve_device(settings.device)
-    if device == "cpu" and settings.pin_compute_threads:
-        pin_compute_threads()  # before the model's load, this thread's first torch op
+    # before the model's load, this thread's first torch op
+    pinning = pin_compute_threads() if device == "cpu" and settings.pin_compute_threads else None
     loaded = load_model(settings.model, device, dtype=settings.dtype,
                         cache_dir=settings.model_cache_dir, kv_dtype=settings.kv_dtype)
     engine = LLMEngine(loaded, EngineConfig(
@@ -74,6 +74,8 @@ def build_state(settings: Settings, executor: ThreadPoolExecutor) -> DaemonState
              loaded.name, loaded.model.device, loaded.model.mode.name, str(loaded.model.kv_dtype).removeprefix("torch."),
              loaded.config.num_layers, loaded.fingerprint,
              engine.kv.pool.num_blocks, settings.block_size)
+    if pinning is not None:
+        log.info("compute threads %s", pinning)
     for tier in engine.tier_stats():
         log.info("%s KV tier: %s", tier.name, f"{tier.capacity_bytes} bytes" if tier.enabled else tier.reason)
     return DaemonState(settings=settings, loaded=loaded, engine=AsyncEngine(engine, executor), store=SessionStore(settings.store_url))
