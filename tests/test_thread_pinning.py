@@ -22,9 +22,19 @@ CORES = one_cpu_per_core(os.sched_getaffinity(0))
 needs_two_cores = pytest.mark.skipif(len(CORES) < 2, reason="one core: nothing to bind apart")
 
 
-def _on_a_new_thread(fn):
-    out = {}
-    thread = threading.Thread(target=lambda: out.update(fn()))
+def _on_a_new_thread(fn, threads: int = 2):
+    """`fn()`'s dict, run on a new thread computing with `threads` of torch's; torch's count is set back after
+    (a new thread starts from the last count set anywhere)."""
+    out, default = {}, torch.get_num_threads()
+
+    def run() -> None:
+        torch.set_num_threads(threads)
+        try:
+            out.update(fn())
+        finally:
+            torch.set_num_threads(default)
+
+    thread = threading.Thread(target=run)
     thread.start()
     thread.join()
     return out
@@ -35,7 +45,6 @@ def test_the_step_thread_and_its_worker_get_a_core_each_and_keep_them():
     everyone = os.sched_getaffinity(0)
 
     def step_thread() -> dict:
-        torch.set_num_threads(2)
         pinned = pin_compute_threads()
         bound = {tid: os.sched_getaffinity(tid) for tid in pinned.worker_ids}
         # a step at one thread fewer, then at every thread again: the same team, still bound, no new thread
@@ -60,7 +69,6 @@ def test_the_step_thread_and_its_worker_get_a_core_each_and_keep_them():
 @needs_two_cores
 def test_a_tier_worker_started_by_the_bound_step_thread_runs_on_every_core():
     def step_thread() -> dict:
-        torch.set_num_threads(2)
         assert isinstance(pin_compute_threads(), PinnedThreads)
         with ThreadPoolExecutor(1, initializer=init_worker_thread) as tiers, ThreadPoolExecutor(1) as plain:
             return {"tiers": tiers.submit(os.sched_getaffinity, 0).result(),
@@ -74,7 +82,6 @@ def test_a_tier_worker_started_by_the_bound_step_thread_runs_on_every_core():
 @needs_two_cores
 def test_nothing_is_bound_for_a_thread_whose_team_had_started():
     def step_thread() -> dict:
-        torch.set_num_threads(2)
         torch.ones(TEAM_START_ELEMENTS).add_(1)  # its workers cannot be told apart from other threads any more
         return {"pinned": pin_compute_threads(), "mine": os.sched_getaffinity(0)}
 
@@ -85,10 +92,9 @@ def test_nothing_is_bound_for_a_thread_whose_team_had_started():
 
 def test_nothing_is_bound_for_a_step_thread_that_computes_alone():
     def step_thread() -> dict:
-        torch.set_num_threads(1)
         return {"pinned": pin_compute_threads(), "mine": os.sched_getaffinity(0)}
 
-    out = _on_a_new_thread(step_thread)
+    out = _on_a_new_thread(step_thread, threads=1)
     assert out["pinned"] == NotPinned("torch computes on one thread")
     assert out["mine"] == os.sched_getaffinity(os.getpid())
 
