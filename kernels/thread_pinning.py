@@ -22,6 +22,11 @@ the threads that appeared meanwhile; each is then bound to a core of its own.
 Threads the daemon starts elsewhere keep every core; the tiers' workers, which
 the step thread starts, widen theirs back as they start
 (tiers/background_work.py: `init_worker_thread`).
+
+The trade: a bound thread cannot move off a core another thread takes for a
+while, so a long prefill beside other busy threads loses more (6-8% against 3%
+unbound in `bench stall`'s slow and stopped Redis scenarios); `[engine]
+pin_compute_threads = false` for a host that runs other CPU work.
 """
 
 from __future__ import annotations
