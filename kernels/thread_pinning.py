@@ -24,7 +24,7 @@ the step thread starts, widen theirs back as they start
 (tiers/background_work.py: `init_worker_thread`).
 
 The trade: a bound thread cannot move off a core another thread takes for a
-while, so a long prefill beside other busy threads loses more (6-8% against 3%
+while, so a long prefill beside other busy threads loses more (5-10% against 2-3%
 unbound in `bench stall`'s slow and stopped Redis scenarios); `[engine]
 pin_compute_threads = false` for a host that runs other CPU work.
 """
