@@ -6,10 +6,9 @@ long. Left to the kernel, that happens after a pause: while the step thread
 waits (a lend to the tiers' loads), its worker spins on one core and the other
 core runs the load; when the step thread wakes, no core is idle, so it is
 queued on the spinner's core and the two share it, the freed core idle, until
-the scheduler balances them (up to ~16 ms; in a VM a halted vCPU is not even
-taken for idle). A sched_switch trace of `bench stall`'s remote scenario (2
-cores) showed exactly that in its slow forwards: 22-26 ms instead of 11, the
-compute threads taking turns on one core. Bound one to a core, they cannot
+the scheduler balances them. A sched_switch trace of `bench stall`'s remote
+scenario (2 cores) showed exactly that in its slow forwards: 22-26 ms instead
+of 11, the compute threads taking turns on one core for up to 16 ms. Bound one to a core, they cannot
 meet: of the forwards run while a load ran, 3.4-5.5% took over 18 ms unbound
 and 0-0.6% bound (a step-log probe over three and four runs of the disk and
 remote scenarios; their p99 23.4-24.6 ms against 14.4-17.1).
