@@ -120,20 +120,32 @@ def test_a_request_aborted_between_the_parts_of_its_join_leaves_no_page_and_the_
     assert run.engine.kv.num_free_blocks == run.engine.kv.pool.num_blocks
 
 
-def test_a_split_join_whose_streams_end_with_its_first_part_takes_the_rest_alone(loaded, make_engine,
-                                                                                long_prompt):
-    alone = Recorder(make_engine())
-    alone.engine.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0))
-    reference = alone.engine.add_request(long_prompt, LONG)
-    alone.finish()
+def alone_tokens(engine, cached: list[int], prompt: list[int]) -> list[int]:
+    """`prompt`'s tokens (LONG) on `engine` with `cached`'s pages cached and nothing else running."""
+    engine.generate([cached], SamplingParams(max_tokens=1, temperature=0.0))
+    run = Recorder(engine)
+    rid = engine.add_request(prompt, LONG)
+    run.finish()
+    return run.tokens(rid)
 
-    engine = make_engine()
-    engine.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0))
+
+def one_stream_with_its_last_token_due(engine, loaded, cached: list[int]) -> tuple[Recorder, str]:
+    """`engine` with `cached`'s pages cached and a stream of two tokens that has its first: its next step is
+    its last."""
+    engine.generate([cached], SamplingParams(max_tokens=1, temperature=0.0))
     run = Recorder(engine)
     stream = engine.add_request(chat(loaded, "Count to three."), SamplingParams(max_tokens=2, temperature=0.0,
                                                                                  ignore_eos=True))
     while not engine.requests[stream].num_output_tokens:
         run.step()
+    return run, stream
+
+
+def test_a_split_join_whose_streams_end_with_its_first_part_takes_the_rest_alone(loaded, make_engine,
+                                                                                long_prompt):
+    expected = alone_tokens(make_engine(), long_prompt, long_prompt)
+    engine = make_engine()
+    run, stream = one_stream_with_its_last_token_due(engine, loaded, long_prompt)
     rid = engine.add_request(long_prompt, LONG)
     req = engine.requests[rid]
     run.step()  # its first part, and the stream's last token
@@ -141,7 +153,7 @@ def test_a_split_join_whose_streams_end_with_its_first_part_takes_the_rest_alone
     run.step()  # the rest of its layers with nothing else to run
     assert req.join_hidden is None and len(run.outs[rid]) == 1
     run.finish()
-    assert run.tokens(rid) == alone.tokens(reference)
+    assert run.tokens(rid) == expected
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
 
 
@@ -149,18 +161,9 @@ def test_a_one_token_piece_of_a_longer_prefill_is_not_split(loaded, make_engine,
     """A step's room can cut a prompt's prefill to one token beside the decodes: that token is no join (the
     prompt has more to compute), and when the room grows the next step its next piece is longer than one."""
     prompt = long_prompt + chat(loaded, "Why?")[-3:]  # cached pages, then three tokens to compute
-    alone = Recorder(make_engine())
-    alone.engine.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0))
-    reference = alone.engine.add_request(prompt, LONG)
-    alone.finish()
-
+    expected = alone_tokens(make_engine(), long_prompt, prompt)
     engine = make_engine(max_num_batched_tokens=2)  # a decode and one token of a prefill
-    engine.generate([long_prompt], SamplingParams(max_tokens=1, temperature=0.0))
-    run = Recorder(engine)
-    stream = engine.add_request(chat(loaded, "Count to three."), SamplingParams(max_tokens=2, temperature=0.0,
-                                                                                 ignore_eos=True))
-    while not engine.requests[stream].num_output_tokens:
-        run.step()
+    run, stream = one_stream_with_its_last_token_due(engine, loaded, long_prompt)
     rid = engine.add_request(prompt, LONG)
     req = engine.requests[rid]
     run.step()  # the stream's last token, and one token of the prompt's three
@@ -169,5 +172,5 @@ def test_a_one_token_piece_of_a_longer_prefill_is_not_split(loaded, make_engine,
     run.step()  # the room is the prompt's alone: its other two tokens in one piece
     assert req.num_computed_tokens == len(prompt)
     run.finish()
-    assert run.tokens(rid) == alone.tokens(reference)
+    assert run.tokens(rid) == expected
     assert engine.kv.num_free_blocks == engine.kv.pool.num_blocks
