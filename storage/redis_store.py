@@ -45,6 +45,7 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -59,6 +60,7 @@ from kvtierd.storage.redis_client import RedisClient, open_client, parse_redis_u
 from kvtierd.storage.redis_keyspace import RedisKeyspace
 from kvtierd.storage.redis_ledger import RedisLedger
 from kvtierd.storage.store_errors import StoreArgumentError
+from kvtierd.storage.value_places import Waiting
 from kvtierd.storage.value_seal import ValueSeal
 
 log = logging.getLogger(__name__)
@@ -138,9 +140,11 @@ class RedisStore:
         found = self._call(exists)
         return [bool(there) for there in found] if found is not None else [False] * len(names)
 
-    def get_many(self, keys: Sequence[bytes], between: Between = no_pause) -> list[memoryview | None]:
+    def get_many(self, keys: Sequence[bytes], between: Between = no_pause,
+                 waiting: Waiting | None = None) -> list[memoryview | None]:
         """The frames, each a read-only view into the value redis-py read (one copy off the socket, none
-        after); `between` is called after the read and between slices of checking their tags."""
+        after); `between` is called after the read and between slices of checking their tags, and `waiting()`
+        put around the round trip (the server's answer, then the values off the socket)."""
         names = self._names(keys)
         if not names:
             return []
@@ -151,7 +155,8 @@ class RedisStore:
                 pipe.getex(name, ex=self.ttl_s)  # a hit renews its TTL: the tier's LRU
             return pipe.execute()
 
-        sealed = self._call(getex)
+        with waiting() if waiting is not None else nullcontext():
+            sealed = self._call(getex)
         with self._lock:
             self._num_gets += len(names)
         if sealed is None:

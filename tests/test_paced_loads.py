@@ -189,6 +189,43 @@ def test_a_wait_that_takes_no_core_goes_on_between_lends_and_the_work_after_it_w
         pass
 
 
+def test_a_wait_that_takes_no_core_passes_the_turn_to_another_task():
+    """While one task waits on a read (a Redis round trip), another runs its slices in the same lend: two loads
+    wait on their reads side by side, not one after the other; the first takes the turn back after its read."""
+    work = BackgroundWork()
+    pool = work.paced_pool(2, "test-paced")
+    events: list[str] = []
+    in_read, read_done = threading.Event(), threading.Event()
+
+    def waits_on_a_read() -> None:
+        events.append("first: before its read")
+        with work.unsliced():
+            in_read.set()
+            assert read_done.wait(30)
+        events.append("first: after its read")
+
+    work.engine_computes(True)
+    try:
+        first = pool.submit(waits_on_a_read)
+        wait_until(first.running)  # it has the turn
+        second = pool.submit(lambda: events.append("second"))
+        lend = threading.Thread(target=work.lend, args=(3600,))
+        lend.start()
+        assert in_read.wait(30)
+        second.result(timeout=30)  # it ran while the first waited on its read
+        lend.join(30)  # and the lend returned once nothing was left to run, not an hour later
+        assert not lend.is_alive() and events == ["first: before its read", "second"]
+        read_done.set()
+        wait_until(lambda: work.wants_lend)  # its work after the read asks for a lend
+        work.lend(3600)
+        first.result(timeout=30)
+        assert events[-1] == "first: after its read"
+    finally:
+        read_done.set()
+        work.engine_computes(False)
+        pool.shutdown(wait=True)
+
+
 def test_pace_does_nothing_outside_a_paced_task():
     """The step thread (or a tool) copying pages through the same code never waits."""
     work = BackgroundWork()

@@ -3,15 +3,18 @@ a server that dies, hangs or fills up, and Cluster and Sentinel deployments."""
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
 import torch
 from chunk_fixtures import TINY, make_identity, make_payload
 from fake_clock import FakeClock
-from redis_fixtures import RedisFactory, RedisServer
+from redis_fixtures import GatedProxy, RedisFactory, RedisServer
 
 from kvtierd.storage.circuit_breaker import CircuitBreaker
 from kvtierd.storage.codecs import SLICE_BYTES
@@ -185,6 +188,36 @@ def test_a_read_calls_between_after_the_get_and_between_slices_of_the_tag_check(
         sealed[-1] ^= 0x01
         raw.set(name_of(store, key(1)), bytes(sealed))
     assert store.get_many([key(1)], lambda: None) == [None]
+
+
+def test_a_read_waits_for_the_server_inside_the_callers_waiting(empty_redis: RedisServer) -> None:
+    """A paced load puts `waiting` around the round trip (it waits for Redis beside the steps, holding no slice):
+    the GET is sent and answered inside it, the tag checks come after it."""
+    proxy = GatedProxy(empty_redis.port)
+    store = make_store(proxy.url)
+    try:
+        assert store.put_many([(key(1), value(1))])
+        events: list[str] = []
+
+        def release_once_held() -> None:
+            while not proxy.held:
+                time.sleep(0.001)
+            proxy.release()
+
+        @contextmanager
+        def waiting() -> Iterator[None]:
+            proxy.hold()  # the GET sent inside waits here until the test's thread sees it held
+            releaser = threading.Thread(target=release_once_held)
+            releaser.start()
+            yield
+            releaser.join()
+            events.append(f"waited: {proxy.held} call held")
+
+        assert store.get_many([key(1)], lambda: events.append("between"), waiting) == [value(1)]
+        assert events[0] == "waited: 1 call held" and events[1:] == ["between"] * (len(events) - 1) != []
+    finally:
+        store.close()
+        proxy.close()
 
 
 def test_a_value_sealed_under_another_secret_is_refused(empty_redis: RedisServer) -> None:

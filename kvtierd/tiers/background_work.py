@@ -27,8 +27,10 @@ run beside its forward. Once a step is scheduled, the engine lends the loads
 LEND_SHARE of the step's predicted time (`lend`) and waits meanwhile; a load
 works in slices (a group of layers' copy, a MiB of hashing or decoding, one
 read), calling `pace` between them, and starts a slice only while a lend has
-room for it. A wait that takes no core (a direct read from disk) is no slice
-(`unsliced`): it goes on beside the steps.
+room for it. A wait that takes no core (a direct read from disk; a Redis
+round trip, mostly the server's and the wire's time) is no slice
+(`unsliced`): it goes on beside the steps, and another load takes the turn
+meanwhile.
 The streams' gaps grow by that share and no more: work that ran beside a
 step cost it far more than its own time, the step's threads waiting for
 the one that lost its core (loads paced at a seventh of a core beside the
@@ -54,7 +56,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 
@@ -96,9 +98,9 @@ class BackgroundWork:
         self._deferred = 0  # tasks waiting for the engines' idle spells
         self._engines_with_steps = 0
         self._engines_computing = 0  # engines with running requests: paced tasks run within their lends
-        # On a paced task's thread: `.until`, its bound (None: none; False: not a paced task); `.slicing`; `.first`,
-        # whether its slice is its task's first; `.began`, when it began; `.first_s` and `.last_s`, how long the
-        # thread's last first slice and last later slice took.
+        # On a paced task's thread: `.until`, its bound (None: none; False: not a paced task); `.turn`, the turn it
+        # holds (None: it runs beside others); `.slicing`; `.first`, whether its slice is its task's first; `.began`,
+        # when it began; `.first_s` and `.last_s`, how long the thread's last first slice and last later slice took.
         self._paced = threading.local()
         self._paced_turn = threading.Lock()  # paced tasks run one at a time while an engine computes
         self._lent_until = float("-inf")  # monotonic: paced tasks may start slices until then (`lend`)
@@ -163,17 +165,23 @@ class BackgroundWork:
     @contextmanager
     def unsliced(self) -> Iterator[None]:
         """Around a paced task's wait that takes no core (a direct read from disk: the disk writes the pages,
-        no thread copies them): its slice ends before the wait, which goes on beside the steps, and its next
-        slice starts after it, within a lend, as the task's first (what its read brought is first used then).
-        Elsewhere, or in a task that runs in one piece, it does nothing."""
+        no thread copies them; a Redis round trip): its slice ends before the wait, which goes on beside the
+        steps with the turn passed on (another load's slices, or its own wait, run meanwhile), and its next slice
+        starts after it, with the turn back, within a lend, as the task's first (what its read brought is first
+        used then). Elsewhere, or in a task that runs in one piece, it does nothing."""
         if not getattr(self._paced, "slicing", False):
             yield
             return
+        turn = self._paced.turn
         with self._lock:
             self._end_slice(timed=False)  # a part slice, not what its kind takes
+        if turn is not None:
+            turn.release()  # another task's slices run meanwhile: two loads wait on their reads side by side
         try:
             yield
         finally:
+            if turn is not None:
+                turn.acquire()
             with self._lock:
                 self._begin_slice(first=True)
 
@@ -384,7 +392,11 @@ class PacedPool(ThreadPoolExecutor):
     def _paced(self, started: threading.Event, result: Future, until: float | None, fn: Callable, args: tuple,
                kwargs: dict) -> None:
         work = self._work
-        with work._paced_turn if work._engines_computing else nullcontext():
+        turn = work._paced_turn if work._engines_computing else None
+        if turn is not None:
+            turn.acquire()
+        work._paced.turn = turn
+        try:
             if not result.set_running_or_notify_cancel():
                 return  # cancelled while queued: it left the count then
             work._paced.until = until
@@ -400,6 +412,10 @@ class PacedPool(ThreadPoolExecutor):
                 with work._lock:
                     work._end_slice()
                 work._paced.until = False
+        finally:
+            if turn is not None:
+                turn.release()
+            work._paced.turn = None
 
 
 class _DeferringPool(ThreadPoolExecutor):

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from kvtierd.storage.codecs import Between, Buffer, no_pause
 from kvtierd.storage.kv_frame import ChunkIdentity
 from kvtierd.storage.redis_store import RedisStore
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.chunk import ChunkSpan
 from kvtierd.tiers.device_chunk import DeviceChunk
 from kvtierd.tiers.fleet_epoch import FleetEpoch
@@ -50,7 +51,10 @@ class RemoteBackend(WriterBackend):
         return self.fleet_epoch.knows(key)
 
     def _get(self, key: bytes, between: Between = no_pause) -> Buffer | None:
-        return self.storage.get_many([key], between)[0]
+        # A load that yields to the steps waits for the server beside them, the turn passed on: as a slice, a slow
+        # Redis's answer held the step that lent it up to SLICE_WAIT_S, and the other load behind it.
+        waiting = BACKGROUND_WORK.unsliced if BACKGROUND_WORK.pacing() else None
+        return self.storage.get_many([key], between, waiting)[0]
 
     def _found(self, key: bytes) -> None:
         self.fleet_epoch.remember(key)  # the fleet has it: no need to send it back
