@@ -39,7 +39,9 @@ def _written_out(q, k, v, scale):
 @pytest.mark.parametrize("ctx, q_len, heads, kv_heads, dim, threads", [
     (1535, 35, 9, 3, 64, 2),     # a chat turn over its history
     (1535, 35, 9, 3, 64, 1),
-    (2560, 16, 9, 3, 64, 2),     # a restored request's tail
+    (2560, 16, 9, 3, 64, 2),     # a restored request's tail: its keys in segments, merged
+    (2560, 4, 9, 3, 64, 1),      # a piece beside decodes, one thread
+    (513, 20, 9, 3, 64, 2),      # two blocks in segments: the first sees none of the last, rows past the edge
     (300, 300, 9, 3, 64, 2),     # a whole prompt
     (100, 1, 9, 3, 64, 2),       # one token
     (17, 5, 9, 3, 64, 2),        # the last page partly filled, few keys

@@ -11,6 +11,13 @@
 //   running max, rescale          per row: the sum and the output rescaled when the max grows
 //   out += p v                    float32, the 16 values converted once for all rows
 //
+// A run of few tokens (a restored prompt's rest or a recompute in pieces beside decodes, the last token of a
+// cached prompt) makes few items: 3 KV heads on 2 threads left one idle a third of the time, and a thread
+// read its keys at the pace of memory's latency (one token over 2,560 cached: 11.2 ms over 30 layers, the
+// decode kernel 3.6). Then each item takes one SEGMENT of the keys, which it first touches (a load per cache
+// line, nothing depending on them, as the decode kernel does), and writes its rows' max, sum and unscaled
+// output; a merge rescales the segments' parts to their common max.
+//
 // Scores, softmax and output are float32; the output is rounded to bfloat16 (nearest even). A query sees
 // the keys up to its own position (the new tokens follow the cached ones). Compiled at run time for the
 // host CPU (cpu_build.py, -DHEAD_DIM per model); without AVX512-BF16 the build fails and the torch path
@@ -33,6 +40,9 @@
 #define ROWS 48        // query rows (tokens x heads of a KV head) an item holds
 #define ROW_BLOCK 8    // rows whose score accumulators stay in registers
 #define MAX_GROUP 16   // query heads per KV head
+#define SEGMENT 256    // keys an item takes when a run's items are few (a multiple of KEYS)
+#define ITEMS_PER_THREAD 4  // fewer items than this per thread: the keys are split into segments
+#define PART (2 + HEAD_DIM)  // a row's max, sum and unscaled output over one segment
 
 static inline uint16_t f32_to_bf16(float f) {
   uint32_t u;
@@ -104,11 +114,32 @@ static inline __m512 softmax_step(struct item_state* st, int r, int seen, float 
   return rescale;
 }
 
-// One (KV head, block of query tokens): rows r = token * group + head-in-group.
+// Reads the keys and values of the tokens [k0, k1), every KV head's, once: a load per cache line with nothing
+// depending on it, so the core keeps many lines in flight (a page holds a token's heads side by side: read
+// front to back); the passes then find them in L2.
+static void touch_keys(const uint16_t* restrict k_cache, const uint16_t* restrict v_cache,
+                       const int32_t* restrict table, int k0, int k1, int block_size, int64_t token_stride) {
+  uint64_t sink = 0;
+  for (int t = k0; t < k1;) {
+    const int off = t % block_size, run = block_size - off < k1 - t ? block_size - off : k1 - t;
+    const int64_t first = ((int64_t)table[t / block_size] * block_size + off) * token_stride;
+    const int64_t words = (int64_t)run * token_stride / 4;  // uint64 words
+    const uint64_t* k = (const uint64_t*)(k_cache + first);
+    const uint64_t* v = (const uint64_t*)(v_cache + first);
+    for (int64_t w = 0; w < words; w += 8) sink ^= k[w] ^ v[w];
+    t += run;
+  }
+  __asm__ volatile("" : : "r"(sink));
+}
+
+// One (KV head, block of query tokens) over the keys [k_lo, k_hi): rows r = token * group + head-in-group.
+// part NULL: the keys are all of the block's, its rows go to out; else each row's max, sum and unscaled output
+// over these keys go to part + r * PART (a row that sees none of them: sum 0).
 static void attend(uint16_t* restrict out, int64_t out_stride, const uint16_t* restrict q, int64_t q_stride,
                    const uint16_t* restrict k_cache, const uint16_t* restrict v_cache,
                    const int32_t* restrict table, int ctx, int q_len, int t0, int t1, int kv_head, int group,
-                   int num_kv_heads, int block_size, float scale, struct item_state* st) {
+                   int num_kv_heads, int block_size, float scale, int k_lo, int k_hi, float* restrict part,
+                   struct item_state* st) {
   const int rows = (t1 - t0) * group;
   const int64_t token_stride = (int64_t)num_kv_heads * HEAD_DIM;
   for (int t = t0; t < t1; ++t)
@@ -120,9 +151,9 @@ static void attend(uint16_t* restrict out, int64_t out_stride, const uint16_t* r
       memset(st->sum[r], 0, sizeof st->sum[r]);
       st->visible[r] = ctx - q_len + t + 1;
     }
-  const int keys_seen = ctx - q_len + t1;  // by the block's last token
+  const int keys_seen = k_hi;  // by the block's last token, in this range
   const int32_t* k_words = (const int32_t*)(k_cache + (int64_t)kv_head * HEAD_DIM);
-  for (int k0 = 0; k0 < keys_seen; k0 += KEYS) {
+  for (int k0 = k_lo; k0 < keys_seen; k0 += KEYS) {
     const int n_keys = keys_seen - k0 < KEYS ? keys_seen - k0 : KEYS;
     int32_t word[KEYS];  // each key's row, in 4-byte words from k_words
     int64_t slot[KEYS];
@@ -182,10 +213,43 @@ static void attend(uint16_t* restrict out, int64_t out_stride, const uint16_t* r
   for (int t = t0; t < t1; ++t)
     for (int g = 0; g < group; ++g) {
       const int r = (t - t0) * group + g;
+      const float sum = _mm512_reduce_add_ps(_mm512_load_ps(st->sum[r]));
+      if (part != NULL) {
+        part[r * PART + 0] = st->max[r];
+        part[r * PART + 1] = sum;
+        memcpy(part + r * PART + 2, st->out[r], sizeof st->out[r]);
+        continue;
+      }
       uint16_t* orow = out + t * out_stride + (int64_t)(kv_head * group + g) * HEAD_DIM;
-      const float inv = 1.f / _mm512_reduce_add_ps(_mm512_load_ps(st->sum[r]));
+      const float inv = 1.f / sum;
       for (int d = 0; d < HEAD_DIM; ++d) orow[d] = f32_to_bf16(st->out[r][d] * inv);
     }
+}
+
+// The segments' parts of one (KV head, block of query tokens) rescaled to each row's common max and summed,
+// into its bfloat16 rows.
+static void merge_segments(uint16_t* restrict out, int64_t out_stride, const float* restrict parts,
+                           int num_segments, int t0, int t1, int kv_head, int group) {
+  const int rows = (t1 - t0) * group;
+  for (int r = 0; r < rows; ++r) {
+    float m = -FLT_MAX;  // a segment the row sees none of has sum 0: skipped
+    for (int i = 0; i < num_segments; ++i) {
+      const float* p = parts + ((int64_t)i * ROWS + r) * PART;
+      if (p[1] > 0.f && p[0] > m) m = p[0];
+    }
+    float sum = 0.f, acc[HEAD_DIM];
+    memset(acc, 0, sizeof acc);
+    for (int i = 0; i < num_segments; ++i) {
+      const float* p = parts + ((int64_t)i * ROWS + r) * PART;
+      if (p[1] == 0.f) continue;
+      const float w = expf(p[0] - m);
+      sum += w * p[1];
+      for (int d = 0; d < HEAD_DIM; ++d) acc[d] += w * p[2 + d];
+    }
+    uint16_t* orow = out + (t0 + r / group) * out_stride + (int64_t)(kv_head * group + r % group) * HEAD_DIM;
+    const float inv = 1.f / sum;  // every row sees its own key
+    for (int d = 0; d < HEAD_DIM; ++d) orow[d] = f32_to_bf16(acc[d] * inv);
+  }
 }
 
 // out [q_len, num_heads, HEAD_DIM] (row stride out_stride) = attention of q [q_len, num_heads, HEAD_DIM]
@@ -200,7 +264,15 @@ int kvt_paged_prefill_bf16(uint16_t* restrict out, int64_t out_stride, const uin
   if (group > MAX_GROUP || num_slots * num_kv_heads * HEAD_DIM / 2 >= INT32_MAX) return -1;
   const int tokens_per_item = ROWS / group;
   const int blocks = (q_len + tokens_per_item - 1) / tokens_per_item;
-  const int items = blocks * num_kv_heads;
+  // Few items: each block's keys in segments (as many as the last block's keys make; a block that sees fewer
+  // has empty ones at the end), every KV head's in one item (touched once), so every thread has work and
+  // reads few keys ahead of its passes.
+  const int split = blocks * num_kv_heads < ITEMS_PER_THREAD * num_threads;
+  const int segments = split ? (ctx + SEGMENT - 1) / SEGMENT : 1;
+  const int items = split ? blocks * segments : blocks * num_kv_heads;
+  float* parts = split ? malloc(sizeof(float) * (size_t)blocks * num_kv_heads * segments * ROWS * PART) : NULL;
+  if (split && parts == NULL) return -1;
+  const int64_t token_stride = (int64_t)num_kv_heads * HEAD_DIM;
   int failed = 0;
 #pragma omp parallel num_threads(items < num_threads ? items : num_threads) reduction(| : failed)
   {
@@ -208,16 +280,39 @@ int kvt_paged_prefill_bf16(uint16_t* restrict out, int64_t out_stride, const uin
 #pragma omp for schedule(dynamic, 1)
     for (int item = 0; item < items; ++item) {
       // the last tokens' blocks first: they see the most keys
-      const int block = blocks - 1 - item / num_kv_heads;
+      const int block = blocks - 1 - (split ? item / segments : item / num_kv_heads);
       const int t0 = block * tokens_per_item;
       const int t1 = t0 + tokens_per_item < q_len ? t0 + tokens_per_item : q_len;
-      if (st == NULL)
+      const int keys_seen = ctx - q_len + t1;
+      if (st == NULL) {
         failed = 1;
-      else
+      } else if (!split) {
         attend(out, out_stride, q, q_stride, k_cache, v_cache, table, ctx, q_len, t0, t1, item % num_kv_heads,
-               group, num_kv_heads, block_size, scale, st);
+               group, num_kv_heads, block_size, scale, 0, keys_seen, NULL, st);
+      } else {
+        const int segment = item % segments;
+        const int k_lo = segment * SEGMENT;
+        const int k_hi = k_lo + SEGMENT < keys_seen ? k_lo + SEGMENT : keys_seen;
+        if (k_hi > k_lo) touch_keys(k_cache, v_cache, table, k_lo, k_hi, block_size, token_stride);
+        for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head)  // its parts: (block, KV head, segment)
+          attend(out, out_stride, q, q_stride, k_cache, v_cache, table, ctx, q_len, t0, t1, kv_head, group,
+                 num_kv_heads, block_size, scale, k_lo, k_hi > k_lo ? k_hi : k_lo,
+                 parts + (((int64_t)block * num_kv_heads + kv_head) * segments + segment) * ROWS * PART, st);
+      }
     }
     free(st);
+    if (split) {
+#pragma omp for schedule(static)
+      for (int unit = 0; unit < blocks * num_kv_heads; ++unit) {  // (block, KV head)
+        const int block = unit / num_kv_heads;
+        const int t0 = block * tokens_per_item;
+        const int t1 = t0 + tokens_per_item < q_len ? t0 + tokens_per_item : q_len;
+        if (!failed)
+          merge_segments(out, out_stride, parts + (int64_t)unit * segments * ROWS * PART, segments, t0, t1,
+                         unit % num_kv_heads, group);
+      }
+    }
   }
+  free(parts);
   return failed ? -1 : 0;
 }
