@@ -145,6 +145,11 @@ class RedisStore:
         """The frames, each a read-only view into the value redis-py read (one copy off the socket, none
         after); `between` is called after the read and between slices of checking their tags, and `waiting()`
         put around the round trip (the server's answer, then the values off the socket)."""
+        return self.unseal_many(keys, self.get_sealed(keys, waiting), between)
+
+    def get_sealed(self, keys: Sequence[bytes], waiting: Waiting | None = None) -> list[bytes | None] | None:
+        """The values as the server holds them (tags unchecked: `unseal_many`), in one round trip inside
+        `waiting()`; None when the call failed."""
         names = self._names(keys)
         if not names:
             return []
@@ -159,8 +164,17 @@ class RedisStore:
             sealed = self._call(getex)
         with self._lock:
             self._num_gets += len(names)
+        return sealed
+
+    def unseal_many(self, keys: Sequence[bytes], sealed: Sequence[bytes | None] | None,
+                    between: Between = no_pause) -> list[memoryview | None]:
+        """The frames of values `get_sealed` read for `keys` (None: that call failed), their tags checked:
+        a value whose tag fails is deleted and answers None; `between` is called first and between slices."""
         if sealed is None:
-            return [None] * len(names)
+            return [None] * len(keys)
+        if not keys:
+            return []
+        names = self._names(keys)
         between()
         frames = [None if s is None else self._seal.unseal(name, s, between)
                   for name, s in zip(names, sealed, strict=True)]

@@ -206,6 +206,7 @@ class GatedProxy:
         self._open = threading.Event()
         self._open.set()
         self.held = 0  # calls that found the proxy held
+        self._held_changed = threading.Condition()
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
         threading.Thread(target=self._accept, name="gated-proxy", daemon=True).start()
@@ -219,6 +220,11 @@ class GatedProxy:
 
     def release(self) -> None:
         self._open.set()
+
+    def wait_held(self, n: int, guard_s: float = 120.0) -> bool:
+        """Waits until `n` calls have found the proxy held (False past a guard that only stops a hang)."""
+        with self._held_changed:
+            return self._held_changed.wait_for(lambda: self.held >= n, timeout=guard_s)
 
     def close(self) -> None:
         self._open.set()
@@ -244,7 +250,9 @@ class GatedProxy:
                 elif answered.is_set():
                     answered.clear()
                     if not self._open.is_set():
-                        self.held += 1
+                        with self._held_changed:
+                            self.held += 1
+                            self._held_changed.notify_all()
                         self._open.wait()
                 dst.sendall(data)
         except OSError:

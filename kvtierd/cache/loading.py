@@ -16,7 +16,9 @@ hit changed meanwhile, it looks up again. `begin` plans the chunks found below (
 takes fresh device pages for each chunk to load, or joins a load of the same
 chunk that another request started, and submits the rest to the tier
 manager's transfer workers, LOADS_AHEAD unfinished at a time (the next
-chunk's pages are taken as a load ends, `ready`). Meanwhile the request holds its device prefix
+chunk's pages are taken as a load ends, `ready`); the values of the others
+are read ahead where round trips are slow (a far or slow Redis:
+tiers/read_ahead.py). Meanwhile the request holds its device prefix
 pages and each load holds its destination pages, so neither is evicted or
 written; the engine goes on stepping the others. `finish` indexes the loaded
 pages in chain order (a page whose predecessor failed to load stays
@@ -179,6 +181,7 @@ class Loading:
         t.started = self._clock()
         t.deadline = None if t.plan.recompute_s is None else t.started + t.plan.recompute_s
         t.unstarted = below[: t.plan.num_chunks]
+        self._tiers.read_ahead(t.unstarted[LOADS_AHEAD:])  # the values of those that wait for their turn
         self._submit_loads(seq_id, t)
 
     def _submit_loads(self, seq_id: str, t: LoadTicket) -> None:
@@ -280,6 +283,7 @@ class Loading:
         return True
 
     def _let_go(self, seq_id: str, t: LoadTicket) -> None:
+        self._tiers.drop_read_ahead([*t.unstarted, *(load.found for load in t.loads if not load.done)])
         for load in t.loads:
             if self._transfers.leave(load, seq_id):
                 self._pool.release(load.block_ids, load.high)

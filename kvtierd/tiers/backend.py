@@ -3,6 +3,8 @@ fleet's Redis each implement (`host_backend.py`, `disk_backend.py`, `remote_back
 
     lookup     contains(hashes)             how many of these chunks, in order, the tier holds
     load       load(span, skip, pages)      one chunk checked and copied into device pages (a transfer worker)
+               read_ahead(spans)            values a request's later loads will ask for, read now (remote:
+                                            `read_ahead.py`); drop_read_ahead(spans) when it ends first
                fetch(span)                  one chunk's checked payload, for a prefetch to the host tier
                                             (disk and remote: `writer_backend.py`)
     store      admit(hash, nbytes, drop)    held already, taken, full (then counted dropped), or off
@@ -63,6 +65,15 @@ class TierBackend(Protocol):
     def load(self, span: ChunkSpan, skip: int, block_ids: Sequence[int]) -> bool:
         """Copies pages `skip`.. of the chunk into device pages `block_ids`. False when it is gone or fails
         its checks (a bad value is dropped or quarantined). Runs on a transfer worker."""
+        ...
+
+    def read_ahead(self, spans: Sequence[ChunkSpan]) -> None:
+        """Starts reading these chunks for the loads that will ask for them, where round trips are what a load
+        waits on (the others read as they load: nothing to do)."""
+        ...
+
+    def drop_read_ahead(self, spans: Sequence[ChunkSpan]) -> None:
+        """Forgets what `read_ahead` started for these chunks (their request ended before loading them)."""
         ...
 
     def admit(self, block_hash: bytes, nbytes: int, drop: bool = True) -> Admission:

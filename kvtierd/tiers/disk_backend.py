@@ -97,6 +97,12 @@ class DiskBackend(WriterBackend):
         frame = encode_frame(identity, tensor_bytes(self._pages.gather(block_ids)), codec=self.codec)
         self.writer.call(lambda: self.storage.put_many([(key, frame)], owner=identity.namespace), False)
 
+    def read_ahead(self, spans: Sequence[ChunkSpan]) -> None:
+        pass  # a disk read is no round trip to wait out: it goes as fast when its load starts
+
+    def drop_read_ahead(self, spans: Sequence[ChunkSpan]) -> None:
+        pass
+
     @property
     def capacity_bytes(self) -> int:
         return self.storage.stats().capacity_bytes

@@ -106,6 +106,12 @@ class HostBackend:
 
         self.storage.write(key, head_len + nbytes, write, align_at=head_len, owner=identity.namespace)
 
+    def read_ahead(self, spans: Sequence[ChunkSpan]) -> None:
+        pass  # a load reads memory: nothing to wait for
+
+    def drop_read_ahead(self, spans: Sequence[ChunkSpan]) -> None:
+        pass
+
     # -- forgetting and pins -----------------------------------------------------------------
 
     def delete(self, block_hashes: Sequence[bytes]) -> None:

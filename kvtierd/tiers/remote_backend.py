@@ -9,7 +9,9 @@ used. The epoch also remembers what this host stored or found, so a chunk goes t
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 
 from kvtierd.storage.codecs import Between, Buffer, no_pause
 from kvtierd.storage.kv_frame import ChunkIdentity
@@ -20,10 +22,17 @@ from kvtierd.tiers.device_chunk import DeviceChunk
 from kvtierd.tiers.fleet_epoch import FleetEpoch
 from kvtierd.tiers.frame_pages import scatter_payload
 from kvtierd.tiers.page_copy import PageCopier
+from kvtierd.tiers.read_ahead import ReadAhead
 from kvtierd.tiers.tier import Tier
 from kvtierd.tiers.tier_stats import TierCounts, TierStats
 from kvtierd.tiers.transfer import TransferStats
 from kvtierd.tiers.writer_backend import WriterBackend
+
+
+# Lookups whose round trips take longer than this (an average weighting the latest half): the values of a request's
+# later chunks are read ahead (`read_ahead.py`). A loopback call takes well under a millisecond and a chunk's GET
+# 10-25 ms; a slow or far Redis's calls are its delay, which its loads would otherwise wait one pair at a time.
+READ_AHEAD_PAST_S = 0.05
 
 
 class RemoteBackend(WriterBackend):
@@ -33,6 +42,9 @@ class RemoteBackend(WriterBackend):
                  counts: TierCounts, transfer_stats: TransferStats, defer_s: float = 0.0) -> None:
         super().__init__(store, codec, max_pending_bytes, pages, counts, transfer_stats, defer_s)
         self.fleet_epoch = FleetEpoch(store)
+        self._read_ahead = ReadAhead(store.get_sealed)
+        self.read_ahead_past_s = READ_AHEAD_PAST_S
+        self.round_trip_s: float | None = None  # its lookups' lately (None: none yet)
 
     def usable(self) -> bool:
         """The fleet's epoch is known (read again every FLEET_EPOCH_REFRESH_S: may take a round trip)."""
@@ -42,19 +54,43 @@ class RemoteBackend(WriterBackend):
         return self.fleet_epoch.key(block_hash) if self.fleet_epoch.value is not None else None
 
     def contains(self, block_hashes: Sequence[bytes]) -> int:
-        return self.storage.contains_prefix([self.fleet_epoch.key(h) for h in block_hashes])
+        t0 = time.perf_counter()
+        n = self.storage.contains_prefix([self.fleet_epoch.key(h) for h in block_hashes])
+        self._timed(time.perf_counter() - t0)
+        return n
 
     def holds_each(self, block_hashes: Sequence[bytes]) -> list[bool]:
-        return self.storage.contains_each([self.fleet_epoch.key(h) for h in block_hashes])
+        t0 = time.perf_counter()
+        held = self.storage.contains_each([self.fleet_epoch.key(h) for h in block_hashes])
+        self._timed(time.perf_counter() - t0)
+        return held
+
+    def _timed(self, round_trip_s: float) -> None:
+        last = self.round_trip_s
+        self.round_trip_s = round_trip_s if last is None else (last + round_trip_s) / 2
 
     def _holds(self, key: bytes) -> bool:
         return self.fleet_epoch.knows(key)
+
+    def read_ahead(self, spans: Sequence[ChunkSpan]) -> None:
+        """Starts reading these chunks' values for the loads that will ask for them (`read_ahead.py`), when the
+        lookups' round trips lately took longer than `read_ahead_past_s`."""
+        if self.round_trip_s is not None and self.round_trip_s > self.read_ahead_past_s:
+            self._read_ahead.start(k for k in (self.key(s.last_hash) for s in spans) if k is not None)
+
+    def drop_read_ahead(self, spans: Sequence[ChunkSpan]) -> None:
+        self._read_ahead.drop(k for k in (self.key(s.last_hash) for s in spans) if k is not None)
 
     def _get(self, key: bytes, between: Between = no_pause) -> Buffer | None:
         # A load that yields to the steps waits for the server beside them, the turn passed on: as a slice, a slow
         # Redis's answer held the step that lent it up to SLICE_WAIT_S, and the other load behind it.
         waiting = BACKGROUND_WORK.unsliced if BACKGROUND_WORK.pacing() else None
-        return self.storage.get_many([key], between, waiting)[0]
+        ahead = self._read_ahead.take(key)
+        if ahead is None:
+            return self.storage.get_many([key], between, waiting)[0]
+        with waiting() if waiting is not None else nullcontext():
+            sealed = ahead.result()
+        return self.storage.unseal_many([key], None if sealed is None else [sealed], between)[0]
 
     def _found(self, key: bytes) -> None:
         self.fleet_epoch.remember(key)  # the fleet has it: no need to send it back
@@ -73,6 +109,7 @@ class RemoteBackend(WriterBackend):
         return True
 
     def invalidate(self) -> None:
+        self._read_ahead.clear()
         self.fleet_epoch.bump()  # one INCR, bounded by the store's timeout
 
     def stats(self) -> TierStats:
@@ -80,5 +117,6 @@ class RemoteBackend(WriterBackend):
         return super().stats("the fleet's epoch could not be read yet" if unknown else None)
 
     def close(self) -> None:
+        self._read_ahead.close()
         self.writer.close()
         self.storage.close()

@@ -179,6 +179,20 @@ class TierManager:
         counts.hit_tokens += len(block_ids) * self._geometry.block_size
         return tier
 
+    def read_ahead(self, found: Sequence[FoundChunk]) -> None:
+        """Starts reading the values of chunks that a request's loads will ask for later (their tiers that wait
+        on round trips: `TierBackend.read_ahead`)."""
+        for backend, spans in self._spans_by_backend(found):
+            backend.read_ahead(spans)
+
+    def drop_read_ahead(self, found: Sequence[FoundChunk]) -> None:
+        """The request whose loads these chunks were for ended first."""
+        for backend, spans in self._spans_by_backend(found):
+            backend.drop_read_ahead(spans)
+
+    def _spans_by_backend(self, found: Sequence[FoundChunk]) -> list[tuple[TierBackend, list[ChunkSpan]]]:
+        return [(b, spans) for b in self._backends if (spans := [f.span for f in found if f.tier == b.tier])]
+
     def prefetch(self, namespace: bytes, block_hashes: Sequence[bytes], token_ids: Sequence[int], start: int) -> None:
         """Starts copying up to the host tier the chunks of a chain (from page `start`) that only the disk or
         the fleet holds, so its request finds them in memory when it is scheduled. Returns at once."""
