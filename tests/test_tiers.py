@@ -106,9 +106,11 @@ def test_the_lookup_finds_the_longest_stored_prefix():
     assert tiers.lookup(ROOT, other, other_tokens, 0) == []
 
 
-def test_a_lookup_asks_each_tier_once_per_run_and_once_for_the_partial_chunk(tmp_path):
-    """A slow tier (a Redis with a delay) costs its delay per call: the partial last chunk's lengths are asked
-    in one call, not one call each (a new prompt's lookup waited 15 round trips)."""
+def test_a_lookup_asks_a_tier_once_unless_its_run_stops_midway(tmp_path):
+    """A slow tier (a Redis with a delay) costs its delay per call: a tier is asked once, for every whole chunk
+    and the partial last chunks a chain ends with when none or all of its whole chunks are found (a new prompt's
+    lookup waited 15 round trips, one a length, then two); a run that stops midway asks once more, for the
+    partial chunks past it."""
     device = make_device()
     tiers = TierManager(TierConfig(host_bytes=0, disk_bytes=64 << 20, disk_path=tmp_path, chunk_pages=4), device)
     hashes, tokens = chain(6)
@@ -120,12 +122,15 @@ def test_a_lookup_asks_each_tier_once_per_run_and_once_for_the_partial_chunk(tmp
     for name in ("contains_prefix", "contains_each"):
         real = getattr(disk, name)
         setattr(disk, name, lambda keys, real=real, name=name: calls.append(name) or real(keys))
+    assert layout(tiers.lookup(ROOT, hashes, tokens, 0)) == [("disk", 0, 4), ("disk", 4, 2)]
+    assert calls == ["contains_each"]  # found whole, its partial tail among the first call's questions
+    calls.clear()
     longer, longer_tokens = chain(11)
     assert layout(tiers.lookup(ROOT, longer, longer_tokens, 0)) == [("disk", 0, 4), ("disk", 4, 2)]
-    assert calls == ["contains_prefix", "contains_prefix", "contains_each"]
+    assert calls == ["contains_each", "contains_each"]  # its run stops at page 4: the partial past it, asked then
     calls.clear()
     other, other_tokens = chain(11, seed=1)
-    assert tiers.lookup(ROOT, other, other_tokens, 0) == [] and calls == ["contains_prefix", "contains_each"]
+    assert tiers.lookup(ROOT, other, other_tokens, 0) == [] and calls == ["contains_each"]
     tiers.close()
 
 
