@@ -1,7 +1,7 @@
 """What a lower tier is to the tier manager: one interface that the host slab, the LMDB disk store and the
 fleet's Redis each implement (`host_backend.py`, `disk_backend.py`, `remote_backend.py`).
 
-    lookup     contains(hashes)             how many of these chunks, in order, the tier holds
+    lookup     holds_each(hashes)           whether the tier holds each of these chunks (one call)
     load       load(span, skip, pages)      one chunk checked and copied into device pages (a transfer worker)
                read_ahead(spans)            values a request's later loads will ask for, read now (remote:
                                             `read_ahead.py`); drop_read_ahead(spans) when it ends first
@@ -52,10 +52,6 @@ class TierBackend(Protocol):
 
     def key(self, block_hash: bytes) -> bytes | None:
         """The key of the chunk whose last page has `block_hash`; None while the tier cannot name it."""
-        ...
-
-    def contains(self, block_hashes: Sequence[bytes]) -> int:
-        """How many of the chunks keyed by these last-page hashes it holds, counted from the first."""
         ...
 
     def holds_each(self, block_hashes: Sequence[bytes]) -> list[bool]:

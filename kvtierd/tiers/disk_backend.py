@@ -41,10 +41,6 @@ class DiskBackend(WriterBackend):
     def has(self, key: bytes) -> bool:
         return bool(self.writer.call(lambda: self.storage.contains_prefix([key]) == 1, False))
 
-    def contains(self, block_hashes: Sequence[bytes]) -> int:
-        keys = [self._epoch.key(h) for h in block_hashes]
-        return int(self.writer.call(lambda: self.storage.contains_prefix(keys), 0))
-
     def holds_each(self, block_hashes: Sequence[bytes]) -> list[bool]:
         keys = [self._epoch.key(h) for h in block_hashes]
         return self.writer.call(lambda: self.storage.contains_each(keys), [False] * len(keys))

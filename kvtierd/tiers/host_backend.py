@@ -59,9 +59,6 @@ class HostBackend:
     def has(self, key: bytes) -> bool:
         return self.storage.contains_prefix([key]) == 1
 
-    def contains(self, block_hashes: Sequence[bytes]) -> int:
-        return self.storage.contains_prefix([self._epoch.key(h) for h in block_hashes])
-
     def holds_each(self, block_hashes: Sequence[bytes]) -> list[bool]:
         return self.storage.contains_each([self._epoch.key(h) for h in block_hashes])
 

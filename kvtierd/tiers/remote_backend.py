@@ -53,21 +53,12 @@ class RemoteBackend(WriterBackend):
     def key(self, block_hash: bytes) -> bytes | None:
         return self.fleet_epoch.key(block_hash) if self.fleet_epoch.value is not None else None
 
-    def contains(self, block_hashes: Sequence[bytes]) -> int:
-        t0 = time.perf_counter()
-        n = self.storage.contains_prefix([self.fleet_epoch.key(h) for h in block_hashes])
-        self._timed(time.perf_counter() - t0)
-        return n
-
     def holds_each(self, block_hashes: Sequence[bytes]) -> list[bool]:
         t0 = time.perf_counter()
         held = self.storage.contains_each([self.fleet_epoch.key(h) for h in block_hashes])
-        self._timed(time.perf_counter() - t0)
+        took, last = time.perf_counter() - t0, self.round_trip_s
+        self.round_trip_s = took if last is None else (last + took) / 2
         return held
-
-    def _timed(self, round_trip_s: float) -> None:
-        last = self.round_trip_s
-        self.round_trip_s = round_trip_s if last is None else (last + round_trip_s) / 2
 
     def _holds(self, key: bytes) -> bool:
         return self.fleet_epoch.knows(key)
