@@ -18,8 +18,12 @@ from kvtierd.kernels.cpu_build import build_kernel, cpu_flags, loaded_once
 
 HEAD_DIMS = (64, 128)  # built on demand, one library each
 
+# A run that makes fewer items than this a thread (few tokens: 3 KV heads' items on 2 threads) has its keys split
+# into segments, so both threads work and each reads few keys ahead of its passes.
+SPLIT_BELOW_ITEMS_PER_THREAD = 4
+
 _P, _I64, _I32, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
-_ARGTYPES = [_P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I64, _F32, _I32]
+_ARGTYPES = [_P, _I64, _P, _I64, _P, _P, _P, _I32, _I32, _I32, _I32, _I32, _I64, _F32, _I32, _I32]
 
 
 class CpuPrefillKernel:
@@ -31,9 +35,10 @@ class CpuPrefillKernel:
         self._fn.argtypes = _ARGTYPES
 
     def attend(self, out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-               table: torch.Tensor, ctx: int, scale: float) -> None:
+               table: torch.Tensor, ctx: int, scale: float, split: bool = True) -> None:
         """Attention of `q [q_len, heads, head_dim]`, the last q_len of the sequence's `ctx` tokens in the pages
-        `table [pages]` (int32), into `out` (same shape; rows of both may be strided). bfloat16 throughout."""
+        `table [pages]` (int32), into `out` (same shape; rows of both may be strided). bfloat16 throughout.
+        `split` False: no run's keys go in segments (`kvtierd bench cpu-attention` sets it beside the default)."""
         q_len, num_heads, head_dim = q.shape
         if not (q.dtype == k_cache.dtype == v_cache.dtype == out.dtype == torch.bfloat16
                 and table.dtype == torch.int32 and table.is_contiguous()
@@ -44,7 +49,8 @@ class CpuPrefillKernel:
         num_blocks, block_size, num_kv_heads = k_cache.shape[:3]
         status = self._fn(out.data_ptr(), out.stride(0), q.data_ptr(), q.stride(0), k_cache.data_ptr(),
                           v_cache.data_ptr(), table.data_ptr(), ctx, q_len, num_heads, num_kv_heads, block_size,
-                          num_blocks * block_size, scale, torch.get_num_threads())
+                          num_blocks * block_size, scale, torch.get_num_threads(),
+                          SPLIT_BELOW_ITEMS_PER_THREAD if split else 0)
         if status != 0:
             raise MemoryError("CPU prefill attention: no memory for its state, more than 16 query heads share "
                               "a KV head, or a page pool too large for its 32-bit offsets")

@@ -22,3 +22,6 @@ def test_a_small_cpu_attention_bench_times_every_path():
     assert f["read_gbps"] > 0
     assert f["join"]["context_len"] == 300 and f["join"]["decode_lens"] == [200, 180, 220]
     assert min(f["join"]["one_call_ms"], f["join"]["own_call_ms"]) > 0
+    if cpu_prefill_kernel(64) is not None:  # both ways checked against the reference, then timed
+        assert [(r["context_len"], r["num_tokens"]) for r in f["runs"]] == [(300, 4), (300, 16)]
+        assert all(min(r["segments_ms"], r["whole_ms"]) > 0 for r in f["runs"])

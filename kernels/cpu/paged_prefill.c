@@ -41,7 +41,6 @@
 #define ROW_BLOCK 8    // rows whose score accumulators stay in registers
 #define MAX_GROUP 16   // query heads per KV head
 #define SEGMENT 256    // keys an item takes when a run's items are few (a multiple of KEYS)
-#define ITEMS_PER_THREAD 4  // fewer items than this per thread: the keys are split into segments
 #define PART (2 + HEAD_DIM)  // a row's max, sum and unscaled output over one segment
 
 static inline uint16_t f32_to_bf16(float f) {
@@ -254,12 +253,13 @@ static void merge_segments(uint16_t* restrict out, int64_t out_stride, const flo
 
 // out [q_len, num_heads, HEAD_DIM] (row stride out_stride) = attention of q [q_len, num_heads, HEAD_DIM]
 // (row stride q_stride), the sequence's last q_len tokens, over its ctx tokens in the pages `table`.
-// Returns 0, or -1: a group larger than MAX_GROUP, a pool too large for 32-bit gather offsets (num_slots
-// tokens), or no memory.
+// Fewer items than split_below a thread: the keys go in segments (0: never). Returns 0, or -1: a group larger
+// than MAX_GROUP, a pool too large for 32-bit gather offsets (num_slots tokens), or no memory.
 int kvt_paged_prefill_bf16(uint16_t* restrict out, int64_t out_stride, const uint16_t* restrict q, int64_t q_stride,
                            const uint16_t* restrict k_cache, const uint16_t* restrict v_cache,
                            const int32_t* restrict table, int ctx, int q_len, int num_heads, int num_kv_heads,
-                           int block_size, int64_t num_slots, float scale, int num_threads) {
+                           int block_size, int64_t num_slots, float scale, int num_threads,
+                           int split_below) {
   const int group = num_heads / num_kv_heads;
   if (group > MAX_GROUP || num_slots * num_kv_heads * HEAD_DIM / 2 >= INT32_MAX) return -1;
   const int tokens_per_item = ROWS / group;
@@ -267,7 +267,7 @@ int kvt_paged_prefill_bf16(uint16_t* restrict out, int64_t out_stride, const uin
   // Few items: each block's keys in segments (as many as the last block's keys make; a block that sees fewer
   // has empty ones at the end), every KV head's in one item (touched once), so every thread has work and
   // reads few keys ahead of its passes.
-  const int split = blocks * num_kv_heads < ITEMS_PER_THREAD * num_threads;
+  const int split = blocks * num_kv_heads < split_below * num_threads;
   const int segments = split ? (ctx + SEGMENT - 1) / SEGMENT : 1;
   const int items = split ? blocks * segments : blocks * num_kv_heads;
   float* parts = split ? malloc(sizeof(float) * (size_t)blocks * num_kv_heads * segments * ROWS * PART) : NULL;

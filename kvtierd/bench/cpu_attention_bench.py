@@ -11,7 +11,11 @@ and the torch reference (gather + SDPA), and the machine's read bandwidth.
 GB/s are of KV bytes read. Then the step in which a long cached context's
 last token joins short decodes: that token in the decodes' kernel call (as
 `kernels/cpu_backend.py` sends it) beside a call of its own after theirs.
-Each configuration is checked against the reference before it is timed.
+And runs of a few new tokens over the longest context (a piece of a prompt
+beside decodes, a restored prompt's rest) through the prefill kernel, its
+keys in segments (as the kernel splits such runs) beside one item per KV
+head. Each configuration is checked against the reference before it is
+timed.
 """
 
 from __future__ import annotations
@@ -44,6 +48,16 @@ class CpuAttentionRow:
 
 
 @dataclass(frozen=True, slots=True)
+class RunRow:
+    """A run of new tokens at the end of a long context, through the prefill kernel over every layer."""
+
+    context_len: int
+    num_tokens: int
+    segments_ms: float  # its keys in segments, as the kernel splits a run of few items
+    whole_ms: float  # each KV head's item over all of its keys
+
+
+@dataclass(frozen=True, slots=True)
 class JoinRow:
     """A long cached context's last token beside short decodes, over every layer."""
 
@@ -63,9 +77,11 @@ def read_bandwidth_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 def run_cpu_attention_bench(contexts: tuple[int, ...] = (512, 2560, 8192), batches: tuple[int, ...] = (1, 4),
                             num_layers: int = 30, num_heads: int = 9, num_kv_heads: int = 3, head_dim: int = 64,
                             block_size: int = 16, repeats: int = 7,
-                            join_decode_lens: tuple[int, ...] = (200, 180, 220)) -> dict:
+                            join_decode_lens: tuple[int, ...] = (200, 180, 220),
+                            run_tokens: tuple[int, ...] = (4, 16)) -> dict:
     """The bundled model's geometry by default (SmolLM2-135M: 30 layers, 9 heads over 3 KV heads of 64); the
-    join row's long context is the longest of `contexts`, beside decodes over `join_decode_lens` tokens."""
+    join row's long context is the longest of `contexts`, beside decodes over `join_decode_lens` tokens, and so
+    is the runs' of `run_tokens` new tokens (none without the prefill kernel)."""
     decode, prefill = cpu_decode_kernel(head_dim), cpu_prefill_kernel(head_dim)
     if decode is None:
         raise RuntimeError("the CPU decode kernel could not be built here (a C compiler is needed)")
@@ -76,9 +92,12 @@ def run_cpu_attention_bench(contexts: tuple[int, ...] = (512, 2560, 8192), batch
                              block_size, repeats))
     join = _join_row(decode, max(contexts), list(join_decode_lens), num_layers, num_heads, num_kv_heads, head_dim,
                      block_size, repeats)
+    runs = [] if prefill is None else [
+        _run_row(prefill, max(contexts), n, num_layers, num_heads, num_kv_heads, head_dim, block_size, repeats)
+        for n in run_tokens]
     return {"num_layers": num_layers, "num_heads": num_heads, "num_kv_heads": num_kv_heads, "head_dim": head_dim,
             "block_size": block_size, "threads": torch.get_num_threads(), "read_gbps": read_bandwidth_gbps(),
-            "rows": [asdict(r) for r in rows], "join": asdict(join)}
+            "rows": [asdict(r) for r in rows], "join": asdict(join), "runs": [asdict(r) for r in runs]}
 
 
 def _row(decode, prefill, context_len, batch_size, num_layers, num_heads, num_kv_heads, head_dim, block_size,
@@ -157,6 +176,35 @@ def _join_row(decode, context_len, decode_lens, num_layers, num_heads, num_kv_he
             seconds.append(_seconds(lambda a=attend: [a(kv[0], kv[1]) for kv in pools]))
     return JoinRow(context_len, decode_lens, statistics.median(times[one_call]) * 1e3,
                    statistics.median(times[own_call]) * 1e3)
+
+
+def _run_row(prefill, context_len, num_tokens, num_layers, num_heads, num_kv_heads, head_dim, block_size,
+             repeats) -> RunRow:
+    gen = torch.Generator().manual_seed(context_len + num_tokens)
+    per_seq = -(-context_len // block_size)
+    num_pages = POOL_SHARE * per_seq
+    table = torch.randperm(num_pages, generator=gen)[:per_seq].tolist()
+    slots = [table[t // block_size] * block_size + t % block_size for t in range(context_len - num_tokens,
+                                                                                    context_len)]
+    batch = PagedBatch.build(block_size, 0, [num_tokens], [context_len], [table], slots, torch.device("cpu"))
+    shape = (num_pages, block_size, num_kv_heads, head_dim)
+    pools = [torch.randn((2, *shape), generator=gen).bfloat16() for _ in range(num_layers)]
+    q = torch.randn(num_tokens, num_heads, head_dim, generator=gen).bfloat16()
+    out = torch.empty_like(q)
+    scale = head_dim**-0.5
+    expected = reference.paged_attention(reference.ReferencePlan.build(batch), q, pools[0][0], pools[0][1], scale)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    for split in times:
+        prefill.attend(out, q, pools[0][0], pools[0][1], batch.block_tables[0], context_len, scale, split)
+        error = (out.float() - expected.float()).abs().max().item()
+        if error > TOLERANCE:
+            raise RuntimeError(f"the prefill kernel disagrees with the reference by {error:.2e} ({num_tokens} tokens)")
+    for _ in range(repeats):  # alternating, so both see the same machine
+        for split, seconds in times.items():
+            seconds.append(_seconds(lambda s=split: [prefill.attend(out, q, kv[0], kv[1], batch.block_tables[0],
+                                                                    context_len, scale, s) for kv in pools]))
+    return RunRow(context_len, num_tokens, statistics.median(times[True]) * 1e3,
+                  statistics.median(times[False]) * 1e3)
 
 
 def _seconds(fn: Callable[[], object]) -> float:

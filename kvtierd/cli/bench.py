@@ -307,7 +307,8 @@ def bench_cpu_attention(
     json_path: JsonOpt = None,
 ) -> None:
     """Decode attention on the CPU over the bundled model's 30 layers of scattered pages: the C decode kernel
-    beside the prefill kernel (one token) and the torch reference."""
+    beside the prefill kernel (one token) and the torch reference; and short runs of new tokens through the
+    prefill kernel, its keys in segments beside one item a KV head."""
     import torch
 
     from kvtierd.bench.cpu_attention_bench import run_cpu_attention_bench
@@ -328,6 +329,14 @@ def bench_cpu_attention(
     typer.echo(f"a {j['context_len']:,}-token context's last token joining decodes over "
                f"{', '.join(map(str, j['decode_lens']))} tokens: {j['one_call_ms']:.2f} ms in their call, "
                f"{j['own_call_ms']:.2f} ms in a call of its own after theirs (ms a step, median)")
+    if f["runs"]:
+        print_table(
+            f"runs of new tokens at the end of a long context through the prefill kernel (ms over {f['num_layers']} "
+            "layers, median)",
+            ["ctx", "new tokens", "keys in segments", "one item a KV head", "x"],
+            [[r["context_len"], r["num_tokens"], r["segments_ms"], r["whole_ms"], r["whole_ms"] / r["segments_ms"]]
+             for r in f["runs"]],
+        )
     write_json(json_path, {"machine": m, **f})
 
 
