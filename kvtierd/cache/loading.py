@@ -35,11 +35,13 @@ past it the request stops waiting and recomputes what has not arrived (the
 late loads are abandoned; their pages come back when their copy ends). A
 lookup's answer is waited for a share of the estimate of recomputing the
 request's pending tokens (the tiers' `lookup_wait_share`, a tenth by
-default: a tier slow to answer a lookup is as slow to load; waiting the
-whole estimate, a slow Redis added over a second to every new prompt's
+default: whatever a request waits for a lookup, a miss waits too; waiting
+the whole estimate, a slow Redis added over a second to every new prompt's
 TTFT), and not at all when the lookups that answered lately took longer
 than that (a slow Redis): the request computes at once, and its lookup's
-answer goes unread. An invalidation while loading (`epoch` changes) drops
+answer goes unread. A slow Redis loads in about two of its round trips
+(its values read ahead), so a far fleet's long prompts gain from a larger
+share (README: `lookup_wait_share`). An invalidation while loading (`epoch` changes) drops
 what was loaded: it may be what was invalidated.
 """
 

@@ -16,7 +16,7 @@ DISK_ADMISSIONS = ("reused", "all")
 #   sessions  session turns only
 REMOTE_ADMISSIONS = ("all", "sessions")
 # A new request waits for the lower tiers' lookup this share of the estimate of recomputing its prompt, at most:
-# a tier slow to answer a lookup (a Redis with a delay) is as slow to load. 0: only an answer already in.
+# what a request waits, a miss waits too (a Redis with a delay). 0: only an answer already in.
 LOOKUP_WAIT_SHARE = 0.1
 # A tier's codec: one of CODEC_NAMES, or "auto" (`resolve_codec`).
 TIER_CODECS = ("auto", *CODEC_NAMES)
