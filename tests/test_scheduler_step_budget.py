@@ -27,12 +27,13 @@ OFF = {"high": 0.0, "normal": 0.0, "low": 0.0}
 
 class Sim:
     def __init__(self, step_budget_ms: dict, hold_s: float = 2.0, num_blocks: int = 1024,
-                 cost: StepCost = COST, prefill_share: float = 0.0) -> None:
+                 cost: StepCost = COST, prefill_share: float = 0.0, chunk_beside_decodes: int = 0) -> None:
         self.clock = FakeClock(100.0)
         self.cost = StepCostModel(prior=cost)  # nothing observed: its costs are the prior's
         self.scheduler = Scheduler(KVCacheManager(num_blocks, BLOCK, public_root=ROOT), TOKENS_PER_STEP, 64,
                                    qos=QosConfig(step_budget_ms=step_budget_ms, step_budget_hold_s=hold_s),
-                                   step_cost=self.cost, clock=self.clock, prefill_share=prefill_share)
+                                   step_cost=self.cost, clock=self.clock, prefill_share=prefill_share,
+                                   prefill_chunk_beside_decodes=chunk_beside_decodes)
         self.requests: dict[str, Request] = {}
         self.token = 1000
 
@@ -281,6 +282,29 @@ def test_a_prefill_share_keeps_a_prompt_within_it_beside_its_own_class_or_a_high
     decodes = [s for s in plan.decodes if s.request.request_id != "low"]
     assert len(decodes) == 4 and 0 < tokens_of(plan, "low") < 10
     assert COST.seconds(plan.shape) <= 1.25 * COST.seconds(StepShape(0, 4, sum(s.context_len for s in decodes)))
+
+
+def test_a_prompt_beside_decoding_streams_goes_in_chunks_of_its_size_and_alone_in_the_token_budgets():
+    """prefill_chunk_beside_decodes 64: a 400-token prompt sent while streams decode computes 64 tokens a step
+    beside them (each step one such chunk's); sent alone, it takes the token budget's 512 at once. A high
+    prompt beside normal streams is not held to it (as with the share)."""
+    sim = Sim(OFF, chunk_beside_decodes=64)
+    for i in range(3):
+        sim.add(f"stream{i}", "normal", prompt_len=40, max_tokens=60)
+    sim.step()
+    prompt = sim.add("prompt", "normal", prompt_len=400, max_tokens=2)
+    chunks = []
+    while prompt.num_computed_tokens < 400:
+        plan = sim.step()
+        chunks.append(tokens_of(plan, "prompt"))
+        assert sum(s.num_new_tokens == 1 for s in plan.scheduled) == 3  # the streams decode in every step
+    assert chunks == [64] * 6 + [16]
+    sim.add("high", "high", prompt_len=300, max_tokens=2)
+    assert tokens_of(sim.step(), "high") == 300
+
+    alone = Sim(OFF, chunk_beside_decodes=64)
+    alone.add("prompt", "normal", prompt_len=400, max_tokens=2)
+    assert tokens_of(alone.step(), "prompt") == 400
 
 
 def test_a_high_request_is_not_held_behind_low_ones_that_aged_past_it():

@@ -84,6 +84,10 @@ class EngineConfig:
     # share to their step's predicted cost: its chunks are cut to fit, a token at least (engine/scheduler.py).
     # 0: off, a chunk is as large as max_num_batched_tokens allows.
     prefill_share: float = 0.0
+    # While requests decode, a prompt's prefill beside them (of their class or a lower one) goes in chunks of at
+    # most this many tokens: the streams' gap is one such chunk's step, not a whole budget's (0: off, for an engine
+    # built directly; the daemon's [engine] prefill_chunk_beside_decodes sets it).
+    prefill_chunk_beside_decodes: int = 0
     max_model_len: int | None = None  # defaults to the model's context window
     enable_prefix_caching: bool = True  # reuse cached pages across requests (off: every prompt is computed)
     eviction_policy: str = "lru"  # which idle cached page is reused first: lru, lfu or cost (cache/eviction.py)
@@ -102,6 +106,8 @@ class EngineConfig:
             raise ValueError("max_num_batched_tokens and max_num_seqs must be positive")
         if not self.prefill_share >= 0:
             raise ValueError("prefill_share must be 0 (off) or positive")
+        if self.prefill_chunk_beside_decodes < 0:
+            raise ValueError("prefill_chunk_beside_decodes must be 0 (off) or positive")
         if self.eviction_policy not in EVICTION_POLICIES:
             raise ValueError(f"eviction_policy must be one of {', '.join(EVICTION_POLICIES)}")
         if self.hash_algorithm not in HASH_FUNCTIONS:

@@ -121,7 +121,8 @@ class LLMEngine:
             self.tiers.planner.recompute_cost = self._recompute_s
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs,
                                    config.enable_prefix_caching, config.qos, self.step_cost,
-                                   prefill_share=config.prefill_share)
+                                   prefill_share=config.prefill_share,
+                                   prefill_chunk_beside_decodes=config.prefill_chunk_beside_decodes)
         self.runner = ModelRunner(loaded.model, self.pool, self.kv)
         # A core left to loads and stores (to stores, beside short steps only).
         self.step_threads = StepThreads(lambda: BACKGROUND_WORK.busy, lambda: BACKGROUND_WORK.awaited)

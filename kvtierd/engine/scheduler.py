@@ -32,16 +32,18 @@ in the next (`_split_joins`; engine/model_runner.py runs the two parts), its
 slot allocated once; preempted between them, it starts again.
 
 Prefills beside decodes: running requests' decodes are planned before any
-prefill chunk, and a chunk is sized beside them. With `prefill_share` set,
-a prompt (of their class or a lower one) computes, while they decode, in
-pieces that keep the step's predicted cost within that share over theirs,
-a token at least: the streams' inter-token gaps stay smooth, and the prompt
-takes the rest of the machine only once they end. Its first token comes much
-later: on a 2-core CPU, past a few hundred tokens of context one token of it
-costs more than a quarter of the streams' step, so at 0.25 a 2,560-token
-prompt beside three streams moved a token a step (up to 50 s against 1.9 s).
-Off (0, the default), a chunk is as large as the token budget allows and a
-long prompt's steps stall the streams for its length (1-1.5 s there).
+prefill chunk, and a chunk is sized beside them. A prompt (of their class or
+a lower one) computes, while they decode, in chunks of at most
+`prefill_chunk_beside_decodes` tokens (the daemon's default: 256), so the
+streams' longest gap is one such chunk's step rather than a whole token
+budget's; alone, a prompt takes the whole budget a step. With
+`prefill_share` set instead, the pieces keep the step's predicted cost within
+that share over theirs, a token at least: the streams' inter-token gaps stay
+smooth, and the prompt takes the rest of the machine only once they end. Its
+first token comes much later: on a 2-core CPU, past a few hundred tokens of
+context one token of it costs more than a quarter of the streams' step, so
+at 0.25 a 2,560-token prompt beside three streams moved a token a step (up
+to 50 s against 1.9 s).
 
 Preemption: when pages run out for a running request, the lowest-class, most
 recently admitted one goes (the end of `running`). Before that, a waiting
@@ -173,13 +175,14 @@ class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_batched_tokens: int, max_num_seqs: int,
                  enable_prefix_caching: bool = True, qos: QosConfig | None = None,
                  step_cost: StepCostModel | None = None, clock: Callable[[], float] = time.monotonic,
-                 prefill_share: float = 0.0) -> None:
+                 prefill_share: float = 0.0, prefill_chunk_beside_decodes: int = 0) -> None:
         qos = qos or QosConfig()
         self.kv = kv
         self.enable_prefix_caching = enable_prefix_caching
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.prefill_share = prefill_share  # what a prefill may add to a step of decodes, of their cost (0: off)
+        self.prefill_chunk_beside_decodes = prefill_chunk_beside_decodes  # a prefill's tokens a step beside them
         self.join_split_share = JOIN_SPLIT_SHARE  # a one-token piece adding this share to its decodes' step splits
         self.decoding = False  # the last plan had decodes: a prefill now would go beside them
         self.max_queue_s: Mapping[str, float] = qos.max_queue_s
@@ -347,13 +350,16 @@ class Scheduler:
         return fits or (min(n, self.kv.block_size) if floor else 0)
 
     def _beside_decodes(self, req: Request, plan: StepPlan, n: int) -> int:
-        """How many of the `n` pending prompt tokens of `req` go beside the decodes planned. With
-        `prefill_share` set, while decodes of its class or a higher one are planned: the most that keep the
-        step within that share over their cost (one at least, unless another prefill took the room first).
-        Otherwise, for a prefix loaded from below: its rest within RESTORED_STEP_SHARE, when
-        RESTORED_MAX_PIECES such pieces suffice, else all `n`; any other prompt: all `n`."""
-        if self.prefill_share > 0 and any(RANK[s.request.qos_class] <= RANK[req.qos_class] for s in plan.decodes):
+        """How many of the `n` pending prompt tokens of `req` go beside the decodes planned. While decodes of
+        its class or a higher one are planned: with `prefill_share` set, the most that keep the step within that
+        share over their cost (one at least, unless another prefill took the room first); else at most
+        `prefill_chunk_beside_decodes` (when set). Then, for a prefix loaded from below: its rest within
+        RESTORED_STEP_SHARE, when RESTORED_MAX_PIECES such pieces suffice; any other prompt: all of them."""
+        guarded = any(RANK[s.request.qos_class] <= RANK[req.qos_class] for s in plan.decodes)
+        if guarded and self.prefill_share > 0:
             return self._piece(req, plan, n, self.prefill_share, floor=0 if plan.prefills else 1)
+        if guarded and self.prefill_chunk_beside_decodes:
+            n = min(n, self.prefill_chunk_beside_decodes)
         if req.prefix_loaded and any(req.tokens_from_below.values()):
             k = self._piece(req, plan, n, RESTORED_STEP_SHARE, floor=1)
             return k if req.num_prompt_tokens - req.num_computed_tokens <= RESTORED_MAX_PIECES * k else n

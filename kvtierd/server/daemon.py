@@ -63,7 +63,7 @@ def build_state(settings: Settings, executor: ThreadPoolExecutor) -> DaemonState
     engine = LLMEngine(loaded, EngineConfig(
         block_size=settings.block_size, kv_cache_bytes=settings.kv_cache_bytes,
         max_num_batched_tokens=settings.max_num_batched_tokens, max_num_seqs=settings.max_num_seqs,
-        prefill_share=settings.prefill_share,
+        prefill_share=settings.prefill_share, prefill_chunk_beside_decodes=settings.prefill_chunk_beside_decodes,
         max_model_len=settings.max_model_len or None,
         eviction_policy=settings.eviction_policy, prefix_ttl_s=settings.prefix_ttl_s,
         prefix_min_hits_per_hour=settings.prefix_min_hits_per_hour, session_idle_ttl_s=settings.session_idle_ttl_s,

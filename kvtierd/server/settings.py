@@ -260,6 +260,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("prefill_share", "engine", "prefill_share", 0.0, float_at_least(0.0),
             "while requests decode, a prefill beside them adds at most this share to their step's cost (its "
             "chunks cut to fit: smooth streams, slower first tokens for long prompts); 0: off"),
+    Setting("prefill_chunk_beside_decodes", "engine", "prefill_chunk_beside_decodes", 256, int_between(0),
+            "while requests decode, a prompt's prefill beside them goes in chunks of at most this many tokens, so "
+            "their longest gap is one such chunk's step, not a whole token budget's (a prompt alone still takes "
+            "max_num_batched_tokens a step); 0: the token budget"),
     Setting("pin_compute_threads", "engine", "pin_compute_threads", True, parse_bool,
             "CPU backend: bind the step thread and torch's worker threads one to a core (of those the daemon may "
             "use), so two never share a core while another idles; off: the kernel places them"),
@@ -380,6 +384,7 @@ class Settings:
     max_num_batched_tokens: int
     max_num_seqs: int
     prefill_share: float
+    prefill_chunk_beside_decodes: int
     pin_compute_threads: bool
     max_model_len: int
     default_max_tokens: int
