@@ -78,8 +78,8 @@ def parse_redis_url(url: str) -> RedisTarget:
 
 
 # What a connection reads off its socket at a time: chunk values are megabytes, and at redis-py's 32 KiB a
-# pipeline of eight 12 MB values took 50 ms of the reading thread's CPU (the read loop and hiredis's buffer
-# growing), 28 at 1 MiB (a probe on loopback; that CPU runs beside the engine's steps).
+# pipeline of eight 12 MB values took 44 ms of the reading thread's CPU (the read loop and hiredis's buffer
+# growing), 38 at 1 MiB (a probe on loopback, idle machine; that CPU runs beside the engine's steps).
 SOCKET_READ_BYTES = 1 << 20
 
 
