@@ -1,6 +1,7 @@
 """The remote tier: the fleet's Redis or Valkey (`storage/redis_store.py`), frames in the fleet's codec, sealed
-and sent by its writer thread, read on the caller's thread (every call bounded by the store's timeout and
-circuit breaker).
+and sent by its writer thread, read on the caller's thread, or ahead of a request's loads on threads of their
+own when its round trips are slow (`read_ahead.py`; every call bounded by the store's timeout and circuit
+breaker).
 
 Its keys mix in the fleet's epoch (`fleet_epoch.py`), kept in Redis, instead of the local one: an
 invalidation on one host reaches the others. While that epoch is unknown the tier names nothing and is not
