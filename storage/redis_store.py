@@ -32,6 +32,11 @@ script that also keeps the owner's ledger in Redis and deletes its own oldest
 values past its limit (redis_ledger.py), atomic across the fleet. Without a
 limit a write is the plain pipeline above, and no ledger key is written.
 
+Its directory (`follow`, redis_directory.py): every store is announced on the
+keyspace's channel, in the same pipeline as its SETs (a Cluster's after them:
+its pipelines take no PUBLISH), so a daemon that follows them knows what the
+fleet holds without asking the server.
+
 Threads: any thread may call any method; redis-py's connection pool hands each
 its own connection. `stats()` does no I/O: the server's figures come from an
 INFO read at most every USAGE_INTERVAL_S by the calls that talk to it anyway.
@@ -57,6 +62,7 @@ from kvtierd.storage.codecs import Between, no_pause
 from kvtierd.storage.circuit_breaker import BreakerState, CircuitBreaker
 from kvtierd.storage.owner_shares import OwnerUsage
 from kvtierd.storage.redis_client import RedisClient, open_client, parse_redis_url
+from kvtierd.storage.redis_directory import RedisDirectory
 from kvtierd.storage.redis_keyspace import RedisKeyspace
 from kvtierd.storage.redis_ledger import RedisLedger
 from kvtierd.storage.store_errors import StoreArgumentError
@@ -119,10 +125,24 @@ class RedisStore:
         self._ledger = RedisLedger(self.key_prefix, ttl_s)
         self._cap: Callable[[bytes], int | None] | None = None  # bytes an owner may hold (None: any); None: no limits
         self._over_limit: Counter[bytes] = Counter()  # batches refused at their owner's limit
+        self.announce_channel = f"{self.key_prefix}stored".encode()
+        self.directory: RedisDirectory | None = None  # `follow`
+        self.round_trip_s: float | None = None  # its small calls (EXISTS, the epoch's GET) lately; None: none yet
 
     def contains_prefix(self, keys: Sequence[bytes]) -> int:
         found = self.contains_each(keys)
         return next((n for n, there in enumerate(found) if not there), len(found))
+
+    def follow(self) -> RedisDirectory:
+        """Starts its directory (once): which chunks the server holds, known here (`known_each`)."""
+        if self.directory is None:
+            self.directory = RedisDirectory(self._connected, self.announce_channel, self.key_prefix.encode())
+        return self.directory
+
+    def known_each(self, keys: Sequence[bytes]) -> list[bool] | None:
+        """Whether the server holds each key as its directory knows, without a call; None: it does not know
+        (not following, or not complete)."""
+        return self.directory.holds_each(keys) if self.directory is not None else None
 
     def contains_each(self, keys: Sequence[bytes]) -> list[bool]:
         names = self._names(keys)
@@ -137,7 +157,7 @@ class RedisStore:
 
         # All asked in one round trip. A forged value counts as present here (EXISTS reads no bytes); get_many
         # refuses it. None: the server failed (answered as a miss, and counted).
-        found = self._call(exists)
+        found = self._timed(exists)
         return [bool(there) for there in found] if found is not None else [False] * len(names)
 
     def get_many(self, keys: Sequence[bytes], between: Between = no_pause,
@@ -178,11 +198,15 @@ class RedisStore:
         between()
         frames = [None if s is None else self._seal.unseal(name, s, between)
                   for name, s in zip(names, sealed, strict=True)]
-        forged = [name for name, s, f in zip(names, sealed, frames, strict=True) if s is not None and f is None]
+        forged = [i for i, (s, f) in enumerate(zip(sealed, frames, strict=True)) if s is not None and f is None]
         with self._lock:
             self._num_hits += sum(f is not None for f in frames)
+        if self.directory is not None:
+            self.directory.add(k for k, f in zip(keys, frames, strict=True) if f is not None)
         if forged:
-            self._drop(forged, "its HMAC tag does not match (forged, altered, or sealed under another secret)")
+            self._discard([keys[i] for i in forged])
+            self._drop([names[i] for i in forged],
+                       "its HMAC tag does not match (forged, altered, or sealed under another secret)")
         self._refresh_usage_if_stale()
         return frames
 
@@ -195,12 +219,16 @@ class RedisStore:
         sealed = [self._seal.seal(name, frame) for name, frame in zip(names, batch.values(), strict=True)]
         limit = self._cap(owner) if self._cap is not None and owner else None
         if limit is not None:
-            return self._put_limited(owner, limit, names, sealed)
+            return self._put_limited(owner, limit, batch, names, sealed)
+
+        cluster = self.target.topology == "cluster"
 
         def set_ex(client: RedisClient) -> bool:
             pipe = client.pipeline(transaction=False)
             for name, value in zip(names, sealed, strict=True):
                 pipe.set(name, value, ex=self.ttl_s)
+            if not cluster:
+                pipe.publish(self.announce_channel, _announcement(batch))
             try:
                 pipe.execute()
             except OutOfMemoryError:
@@ -211,6 +239,8 @@ class RedisStore:
                     undo.unlink(name)
                 undo.execute()
                 return False
+            if cluster:
+                client.publish(self.announce_channel, _announcement(batch))
             return True
 
         stored = self._call(set_ex)
@@ -220,7 +250,7 @@ class RedisStore:
             elif stored is False:
                 self._num_rejected += 1
         if stored:
-            self._refresh_usage_if_stale()
+            self._stored(batch)
         return bool(stored)
 
     def limit_by(self, cap_bytes: Callable[[bytes], int | None]) -> None:
@@ -251,6 +281,7 @@ class RedisStore:
                     for o, u in zip(limited, usage, strict=True)}
 
     def delete_many(self, keys: Sequence[bytes]) -> int:
+        self._discard(keys)
         return self._unlink(self._names(keys))
 
     def quarantine(self, key: bytes, reason: str) -> bool:
@@ -258,13 +289,14 @@ class RedisStore:
 
         Returns whether it was there. Nothing is kept for inspection: the server is shared, and the
         log names the key and the reason."""
+        self._discard([key])
         return self._drop(self._names([key]), reason) == 1
 
     def read_epoch(self) -> int | None:
         """The fleet's invalidation epoch (0 before the first invalidation); None when the server failed.
 
         Mixed into every key by the tier above, so one host's invalidation reaches the whole fleet."""
-        answer = self._call(lambda client: (client.get(self._epoch_name()),))  # a tuple: None means it failed
+        answer = self._timed(lambda client: (client.get(self._epoch_name()),))  # a tuple: None means it failed
         if answer is None:
             return None
         return int(answer[0]) if answer[0] is not None else 0
@@ -314,6 +346,8 @@ class RedisStore:
 
     def close(self) -> None:
         """Closes the connections; later calls answer misses."""
+        if self.directory is not None:
+            self.directory.close()
         with self._client_lock:
             self._closed = True
             client, self._client = self._client, None
@@ -344,8 +378,15 @@ class RedisStore:
             log.info("remote KV tier %s answers again", self.target.where)
         return result
 
-    def _put_limited(self, owner: bytes, limit: int, names: list[bytes], sealed: list[bytes]) -> bool:
-        put = self._call(lambda client: self._ledger.put(client, owner, limit, names, sealed))
+    def _put_limited(self, owner: bytes, limit: int, batch: dict[bytes, bytes], names: list[bytes],
+                     sealed: list[bytes]) -> bool:
+        def put_announced(client: RedisClient):
+            put = self._ledger.put(client, owner, limit, names, sealed)
+            if put.stored:
+                client.publish(self.announce_channel, _announcement(batch))
+            return put
+
+        put = self._call(put_announced)
         with self._lock:
             if put is not None and put.stored:
                 self._num_puts += len(names)
@@ -353,8 +394,27 @@ class RedisStore:
                 self._num_rejected += 1  # over the limit, or refused for memory
                 self._over_limit[owner] += put.over_limit
         if put is not None and put.stored:
-            self._refresh_usage_if_stale()
+            self._stored(batch)
         return bool(put and put.stored)
+
+    def _stored(self, keys: Iterable[bytes]) -> None:
+        if self.directory is not None:
+            self.directory.add(keys)
+        self._refresh_usage_if_stale()
+
+    def _discard(self, keys: Sequence[bytes]) -> None:
+        if self.directory is not None:
+            self.directory.discard(keys)
+
+    def _timed(self, op: Callable[[RedisClient], T]) -> T | None:
+        """`_call` for a small call, whose time is the server's round trip (`round_trip_s`: an average weighting
+        the latest half)."""
+        t0 = time.perf_counter()
+        result = self._call(op)
+        if result is not None:
+            took, last = time.perf_counter() - t0, self.round_trip_s
+            self.round_trip_s = took if last is None else (last + took) / 2
+        return result
 
     def _connected(self) -> RedisClient:
         with self._client_lock:
@@ -411,3 +471,8 @@ def _read_usage(client: RedisClient) -> ServerUsage:
         max_bytes=0 if any(info["maxmemory"] == 0 for info in infos) else sum(info["maxmemory"] for info in infos),
         num_evictions=sum(info["evicted_keys"] for info in infos),
     )
+
+
+def _announcement(keys: Iterable[bytes]) -> bytes:
+    """A store's message on the keyspace's channel: its keys in hex, space-separated (redis_directory.py)."""
+    return b" ".join(key.hex().encode() for key in keys)

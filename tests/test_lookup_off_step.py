@@ -1,6 +1,7 @@
 """Lookups of the lower tiers run off the engine's step. A Redis that stops answering (a proxy the test holds)
 holds only the request whose lookup waits on it: the running ones keep stepping, and it runs once Redis
-answers, or recomputes at its deadline, with the same output. Held by a gate, never by a clock."""
+answers, or recomputes at its deadline, with the same output; one that the fleet's directory answers waits for
+no Redis at all. Held by a gate, never by a clock."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from redis_fixtures import GatedProxy
 from test_tiers_engine import KV_TOKENS, TOPICS, ask
 from test_transfers_engine import PARAMS, cold_run, run_rest, slow_prefill
+from waiting import wait_until
 
 from engine_runs import assert_same_output
 from kvtierd.tiers.config import RemoteConfig, TierConfig
@@ -22,9 +24,10 @@ def held_redis(redis_server):
     proxy.close()
 
 
-def remote_engine(make_engine, proxy: GatedProxy):
+def remote_engine(make_engine, proxy: GatedProxy, directory: bool = False):
     remote = RemoteConfig(url=proxy.url, secret=secrets.token_bytes(32), fleet=f"lookup-{secrets.token_hex(4)}",
-                          op_timeout_ms=600_000, admission="sessions")  # a held call waits for the test, not a timeout
+                          op_timeout_ms=600_000, admission="sessions",  # a held call waits for the test, not a timeout
+                          directory=directory)
     return make_engine(kv_tokens=KV_TOKENS, tiers=TierConfig(host_bytes=0, disk_bytes=0, chunk_pages=4, remote=remote))
 
 
@@ -65,4 +68,21 @@ def test_a_lookup_past_its_deadline_turns_into_a_recompute_with_the_same_output(
     held_redis.release()
     engine.tiers.transfers.wait_lookups()
     assert engine.kv.pool.num_used_blocks == 0
+    engine.close()
+
+
+def test_a_lookup_the_fleets_directory_answers_waits_for_no_held_redis(loaded, make_engine, held_redis):
+    tok = loaded.tokenizer
+    engine = remote_engine(make_engine, held_redis, directory=True)
+    directory = engine.tiers.remote.directory
+    wait_until(lambda: directory.complete, "the directory's first scan")
+    held_redis.hold()
+    prompt = ask(tok, TOPICS[0])
+    rid = engine.add_request(prompt, PARAMS)
+    # Asked, the held Redis would hold its lookup until the test releases it (the op timeout is minutes).
+    wait_until(lambda: engine.tiers.transfers.num_lookups == 0, "its lookup, answered by the directory")
+    outs = run_rest(engine, rid)
+    assert outs[0].restore.decision == "none" and engine.tiers.transfers.stats.loads_past_deadline == 0
+    assert_same_output(outs, cold_run(make_engine, prompt))
+    held_redis.release()
     engine.close()

@@ -13,9 +13,9 @@ from test_tiers_engine import ask
 from test_transfers_engine import add_looked_up, cold_run, run_rest, slow_prefill
 
 from engine_runs import assert_same_output, run_one
-from kvtierd.cache.loading import LOADS_AHEAD
 from kvtierd.tiers.config import RemoteConfig, TierConfig
 from kvtierd.tiers.read_ahead import ReadAhead
+from kvtierd.tiers.restore_planner import LOADS_AHEAD
 
 
 class Server:

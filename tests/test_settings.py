@@ -55,6 +55,7 @@ SAMPLES: dict[str, tuple[tuple[Any, Any], tuple[str, Any], tuple[Any, Any]]] = {
     "remote_ttl_s": ((60, 60), ("3600", 3600), (86400, 86400)),
     "remote_op_timeout_ms": ((100, 100), ("250", 250), (500, 500)),
     "remote_admission": (("sessions", "sessions"), ("all", "all"), ("sessions", "sessions")),
+    "remote_directory": ((False, False), ("yes", True), ("off", False)),
     "truncation_keep_tokens": ((0, 0), ("1024", 1024), (4096, 4096)),
     "session_create_on_first_use": ((False, False), ("yes", True), ("off", False)),
     "max_num_batched_tokens": ((1024, 1024), ("4096", 4096), (512, 512)),

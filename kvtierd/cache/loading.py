@@ -55,7 +55,7 @@ from dataclasses import dataclass, field
 
 from kvtierd.cache.block_pool import BlockPool
 from kvtierd.tiers.chunk import FoundChunk
-from kvtierd.tiers.restore_planner import NOTHING_BELOW, ChunkCost, RestorePlan
+from kvtierd.tiers.restore_planner import LOADS_AHEAD, NOTHING_BELOW, ChunkCost, RestorePlan
 from kvtierd.tiers.tier_manager import TierManager
 from kvtierd.tiers.transfer import ChunkLoad
 
@@ -66,10 +66,6 @@ log = logging.getLogger(__name__)
 # slow fleet load ran past it and its request recomputed in full chunks (`bench stall`: 0.8 s steps). At half, a
 # fleet load within the steps' lends (0.8-1 s on 2 cores, its deadline ~1.8 s) ran its last chunks beside them.
 PACED_DEADLINE_SHARE = 0.8
-# A request's chunk loads submitted and not finished, at most: the next chunk's pages are taken (evicting what
-# they held, saved below first: ~1 ms a chunk on the step thread) as a load ends, not all at its start. A loaded
-# 2,560-token prompt's ten chunks, taken at once from a full pool, held one step 6-8 ms (`bench stall`).
-LOADS_AHEAD = 2
 
 
 @dataclass(eq=False, slots=True)

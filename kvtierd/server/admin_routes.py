@@ -184,7 +184,7 @@ def lower_tier_json(t: TierStats, query_tokens: int, chunk_pages: int,
         "hit_rate": t.hit_tokens / query_tokens if query_tokens else 0.0,
         "writes": t.writes, "pending_writes": t.pending_writes, "dropped_writes": t.dropped_writes,
         "evictions": {"capacity": t.evictions}, "corrupt": t.corrupt, "pinned": t.pinned, "codec": t.codec,
-        "reconciled": reconciled,
+        "reconciled": reconciled, "known_chunks": t.known_chunks,
     }
 
 

@@ -134,7 +134,8 @@ def remote_config(settings: Settings) -> RemoteConfig | None:
                                 "a Cluster spreads a tenant's values over slots that one script cannot reach")
     return RemoteConfig(url=settings.remote_url, secret=secret, fleet=settings.remote_fleet,
                         ttl_s=settings.remote_ttl_s, op_timeout_ms=settings.remote_op_timeout_ms,
-                        codec=settings.disk_codec, admission=settings.remote_admission)
+                        codec=settings.disk_codec, admission=settings.remote_admission,
+                        directory=settings.remote_directory)
 
 
 async def flush_tiers(state: DaemonState) -> None:

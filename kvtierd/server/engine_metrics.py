@@ -157,6 +157,8 @@ def _lower_tiers(eng: LLMEngine) -> Iterator[Metric]:
                                        "served; quarantined on disk).", labels=["tier"]),
         "healthy": GaugeMetricFamily("kvtierd_tier_healthy", "1 when a lower tier is enabled and working.",
                                      labels=["tier"]),
+        "known": GaugeMetricFamily("kvtierd_tier_known_chunks", "Chunks the remote tier's directory knows the "
+                                   "fleet holds (absent: not following its stores).", labels=["tier"]),
     }
     for t in stats:
         families["bytes"].add_metric([t.name, "used"], t.used_bytes)
@@ -168,6 +170,8 @@ def _lower_tiers(eng: LLMEngine) -> Iterator[Metric]:
         families["evictions"].add_metric([t.name], t.evictions)
         families["corrupt"].add_metric([t.name], t.corrupt)
         families["healthy"].add_metric([t.name], float(t.enabled and t.healthy))
+        if t.known_chunks is not None:
+            families["known"].add_metric([t.name], t.known_chunks)
     yield from families.values()
     if eng.tiers is not None:
         yield from _restore(eng.tiers)

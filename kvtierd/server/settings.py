@@ -304,6 +304,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("remote_admission", "remote", "admission", "all", one_of(*REMOTE_ADMISSIONS),
             "what goes to the remote tier besides evicted reused chunks and session turns: all (every finished "
             "request's full chunks) or sessions"),
+    Setting("remote_directory", "remote", "directory", True, parse_bool,
+            "know which chunks the fleet holds without asking Redis (one SCAN, then the names every host announces "
+            "as it stores): a lookup waits no round trip, hit or miss; false: every lookup asks the server"),
     Setting("qos_weights", "qos", "weights", "high=8,normal=4,low=1", parse_class_map,
             "admission weight of each priority class; a waiting request's weight grows by 1 every aging_s"),
     Setting("qos_max_queue_s", "qos", "max_queue_s", "high=10,normal=60,low=120", parse_class_map,
@@ -403,6 +406,7 @@ class Settings:
     remote_ttl_s: int
     remote_op_timeout_ms: int
     remote_admission: str
+    remote_directory: bool
     qos_weights: dict[str, float]
     qos_max_queue_s: dict[str, float]
     qos_aging_s: float

@@ -45,6 +45,7 @@ class RemoteConfig:
     op_timeout_ms: int = 500
     codec: str = "auto"
     admission: str = "all"
+    directory: bool = False  # follow what the fleet stores (storage/redis_directory.py); the daemon's default: on
 
     def __post_init__(self) -> None:
         if self.admission not in REMOTE_ADMISSIONS:

@@ -1,8 +1,10 @@
 """The fleet's epoch: mixed into every remote key, kept in Redis so that all hosts share it.
 
 An invalidation on any host starts a new fleet epoch (INCR in Redis); the
-others read it at most `FLEET_EPOCH_REFRESH_S` later, and from then on never
-find what was stored before. While the epoch is unknown (Redis down since
+others read it at most `FLEET_EPOCH_REFRESH_S` (and a round trip) later, and
+from then on never find what was stored before. Those reads run on a thread
+of their own: a lookup uses the epoch it has, and never waits for a far or
+slow Redis to answer what is nearly always the same number. While the epoch is unknown (Redis down since
 start) the remote tier is not used at all: a guessed epoch could serve KV
 another host has invalidated.
 
@@ -13,6 +15,7 @@ that computes it again.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -30,18 +33,20 @@ class FleetEpoch:
         self._store = store
         self._clock = clock
         self.value: int | None = None
-        self._read_at = -FLEET_EPOCH_REFRESH_S
         self._known: OrderedDict[bytes, None] = OrderedDict()
-        self.refresh()
+        self._lock = threading.Lock()  # `_known`: a read's new epoch clears it on the reading thread
+        self._reading = False
+        self._read_at = self._clock()
+        self._read()
 
     def refresh(self) -> int | None:
-        """The current epoch, read again when the last read is older than FLEET_EPOCH_REFRESH_S."""
+        """The epoch as last read (None: never read yet); when that read is older than FLEET_EPOCH_REFRESH_S,
+        a new one starts on a thread of its own, whose answer serves from when it arrives."""
         now = self._clock()
-        if now - self._read_at >= FLEET_EPOCH_REFRESH_S:
+        if now - self._read_at >= FLEET_EPOCH_REFRESH_S and not self._reading:
             self._read_at = now
-            value = self._store.read_epoch()
-            if value is not None:
-                self._set(value)
+            self._reading = True
+            threading.Thread(target=self._read, name="kvtierd-fleet-epoch", daemon=True).start()
         return self.value
 
     def bump(self) -> None:
@@ -60,16 +65,27 @@ class FleetEpoch:
         return key in self._known
 
     def remember(self, key: bytes) -> None:
-        self._known[key] = None
-        self._known.move_to_end(key)
-        if len(self._known) > KNOWN_KEYS:
-            self._known.popitem(last=False)
+        with self._lock:
+            self._known[key] = None
+            self._known.move_to_end(key)
+            if len(self._known) > KNOWN_KEYS:
+                self._known.popitem(last=False)
 
     def forget(self, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._known.pop(key, None)
+        with self._lock:
+            for key in keys:
+                self._known.pop(key, None)
+
+    def _read(self) -> None:
+        try:
+            value = self._store.read_epoch()
+            if value is not None:
+                self._set(value)
+        finally:
+            self._reading = False
 
     def _set(self, value: int) -> None:
-        if value != self.value:
-            self._known.clear()
-        self.value = value
+        with self._lock:
+            if value != self.value:
+                self._known.clear()
+            self.value = value

@@ -54,6 +54,8 @@ def open_backends(config: TierConfig, pages: PageCopier, counts: dict[Tier, Tier
         keyspace = RedisKeyspace(r.fleet, model_fingerprint, g, config.chunk_pages)
         store = RedisStore(r.url, keyspace, r.secret, ttl_s=r.ttl_s, connect_timeout_ms=r.connect_timeout_ms,
                            op_timeout_ms=r.op_timeout_ms)
+        if r.directory:
+            store.follow()
         opened.remote = RemoteBackend(store, resolve_codec(r.codec, Tier.REMOTE),
                                       config.max_pending_disk_bytes, pages, counts[Tier.REMOTE], transfer_stats,
                                       config.store_defer_ms / 1e3)

@@ -3,6 +3,9 @@ and sent by its writer thread, read on the caller's thread, or ahead of a reques
 own when its round trips are slow (`read_ahead.py`; every call bounded by the store's timeout and circuit
 breaker).
 
+Its lookups ask the store's directory (`storage/redis_directory.py`) when it follows the fleet's stores and
+knows, the server otherwise: a far Redis's round trip is then no new prompt's wait, hit or miss.
+
 Its keys mix in the fleet's epoch (`fleet_epoch.py`), kept in Redis, instead of the local one: an
 invalidation on one host reaches the others. While that epoch is unknown the tier names nothing and is not
 used. The epoch also remembers what this host stored or found, so a chunk goes to the fleet once.
@@ -10,9 +13,9 @@ used. The epoch also remembers what this host stored or found, so a chunk goes t
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from contextlib import nullcontext
+from dataclasses import replace
 
 from kvtierd.storage.codecs import Between, Buffer, no_pause
 from kvtierd.storage.kv_frame import ChunkIdentity
@@ -30,9 +33,10 @@ from kvtierd.tiers.transfer import TransferStats
 from kvtierd.tiers.writer_backend import WriterBackend
 
 
-# Lookups whose round trips take longer than this (an average weighting the latest half): the values of a request's
-# later chunks are read ahead (`read_ahead.py`). A loopback call takes well under a millisecond and a chunk's GET
-# 10-25 ms; a slow or far Redis's calls are its delay, which its loads would otherwise wait one pair at a time.
+# Small calls whose round trips take longer than this (an average weighting the latest half): the values of a
+# request's later chunks are read ahead (`read_ahead.py`). A loopback call takes well under a millisecond and a
+# chunk's GET 10-25 ms; a slow or far Redis's calls are its delay, which its loads would otherwise wait one pair at
+# a time.
 READ_AHEAD_PAST_S = 0.05
 
 
@@ -45,29 +49,27 @@ class RemoteBackend(WriterBackend):
         self.fleet_epoch = FleetEpoch(store)
         self._read_ahead = ReadAhead(store.get_sealed)
         self.read_ahead_past_s = READ_AHEAD_PAST_S
-        self.round_trip_s: float | None = None  # its lookups' lately (None: none yet)
 
     def usable(self) -> bool:
-        """The fleet's epoch is known (read again every FLEET_EPOCH_REFRESH_S: may take a round trip)."""
+        """The fleet's epoch is known (read again every FLEET_EPOCH_REFRESH_S, on a thread of its own)."""
         return self.fleet_epoch.refresh() is not None
 
     def key(self, block_hash: bytes) -> bytes | None:
         return self.fleet_epoch.key(block_hash) if self.fleet_epoch.value is not None else None
 
     def holds_each(self, block_hashes: Sequence[bytes]) -> list[bool]:
-        t0 = time.perf_counter()
-        held = self.storage.contains_each([self.fleet_epoch.key(h) for h in block_hashes])
-        took, last = time.perf_counter() - t0, self.round_trip_s
-        self.round_trip_s = took if last is None else (last + took) / 2
-        return held
+        keys = [self.fleet_epoch.key(h) for h in block_hashes]
+        known = self.storage.known_each(keys)
+        return known if known is not None else self.storage.contains_each(keys)
 
     def _holds(self, key: bytes) -> bool:
         return self.fleet_epoch.knows(key)
 
     def read_ahead(self, spans: Sequence[ChunkSpan]) -> None:
         """Starts reading these chunks' values for the loads that will ask for them (`read_ahead.py`), when the
-        lookups' round trips lately took longer than `read_ahead_past_s`."""
-        if self.round_trip_s is not None and self.round_trip_s > self.read_ahead_past_s:
+        server's round trips lately took longer than `read_ahead_past_s`."""
+        round_trip_s = self.storage.round_trip_s
+        if round_trip_s is not None and round_trip_s > self.read_ahead_past_s:
             self._read_ahead.start(k for k in (self.key(s.last_hash) for s in spans) if k is not None)
 
     def drop_read_ahead(self, spans: Sequence[ChunkSpan]) -> None:
@@ -106,7 +108,10 @@ class RemoteBackend(WriterBackend):
 
     def stats(self) -> TierStats:
         unknown = self.fleet_epoch.value is None
-        return super().stats("the fleet's epoch could not be read yet" if unknown else None)
+        directory = self.storage.directory
+        known = directory.num_keys if directory is not None and directory.complete else None
+        return replace(super().stats("the fleet's epoch could not be read yet" if unknown else None),
+                       known_chunks=known)
 
     def close(self) -> None:
         self._read_ahead.close()

@@ -47,6 +47,7 @@ class TierStats:
     pinned: bool  # host: page-locked memory
     prefetched: int = 0  # disk, remote: chunks copied up to the host tier ahead of their request
     codec: str | None = None  # how its values are encoded (None: the tier is off)
+    known_chunks: int | None = None  # remote: chunks its directory knows the fleet holds (None: not following)
 
 
 def host_stats(host: HostStore, c: TierCounts) -> TierStats:
