@@ -63,6 +63,7 @@ from kvtierd.storage.circuit_breaker import BreakerState, CircuitBreaker
 from kvtierd.storage.owner_shares import OwnerUsage
 from kvtierd.storage.redis_client import RedisClient, open_client, parse_redis_url
 from kvtierd.storage.redis_directory import RedisDirectory
+from kvtierd.storage.redis_gets import PipelinedGets, ReadGets, SentGets
 from kvtierd.storage.redis_keyspace import RedisKeyspace
 from kvtierd.storage.redis_ledger import RedisLedger
 from kvtierd.storage.store_errors import StoreArgumentError
@@ -164,27 +165,38 @@ class RedisStore:
                  waiting: Waiting | None = None) -> list[memoryview | None]:
         """The frames, each a read-only view into the value redis-py read (one copy off the socket, none
         after); `between` is called after the read and between slices of checking their tags, and `waiting()`
-        put around the round trip (the server's answer, then the values off the socket)."""
+        put around the round trip (the server's first answer: the values are read after it)."""
         return self.unseal_many(keys, self.get_sealed(keys, waiting), between)
 
     def get_sealed(self, keys: Sequence[bytes], waiting: Waiting | None = None) -> list[bytes | None] | None:
         """The values as the server holds them (tags unchecked: `unseal_many`), in one round trip inside
         `waiting()`; None when the call failed."""
+        gets = self.send_gets(keys, waiting)
+        return None if gets is None else [gets.read(i) for i in range(len(keys))]
+
+    def send_gets(self, keys: Sequence[bytes], waiting: Waiting | None = None) -> SentGets | None:
+        """GETEX of each key (a hit renews its TTL: the tier's LRU) in one call, its first reply awaited inside
+        `waiting()` (the round trip); each value is read off the connection when asked for (redis_gets.py).
+        None when the call failed."""
         names = self._names(keys)
-        if not names:
-            return []
-
-        def getex(client: RedisClient) -> list[bytes | None]:
-            pipe = client.pipeline(transaction=False)
-            for name in names:
-                pipe.getex(name, ex=self.ttl_s)  # a hit renews its TTL: the tier's LRU
-            return pipe.execute()
-
-        with waiting() if waiting is not None else nullcontext():
-            sealed = self._call(getex)
         with self._lock:
             self._num_gets += len(names)
-        return sealed
+        if not names:
+            return ReadGets([])
+
+        def getex(client: RedisClient) -> SentGets:
+            if isinstance(client, RedisCluster):  # its keys are on several nodes: read them all now
+                pipe = client.pipeline(transaction=False)
+                for name in names:
+                    pipe.getex(name, ex=self.ttl_s)
+                return ReadGets(pipe.execute())
+            pool = client.connection_pool
+            gets = PipelinedGets(pool, pool.get_connection(), names, self.ttl_s, self._failed)
+            gets.wait_first(self._op_timeout_s)
+            return gets
+
+        with waiting() if waiting is not None else nullcontext():
+            return self._call(getex)
 
     def unseal_many(self, keys: Sequence[bytes], sealed: Sequence[bytes | None] | None,
                     between: Between = no_pause) -> list[memoryview | None]:
@@ -368,15 +380,19 @@ class RedisStore:
         try:
             result = op(self._connected())
         except _SERVER_FAILURES as e:
-            with self._lock:
-                self._num_failures += 1
-            reason = f"{type(e).__name__}: {e}"
-            if self._breaker.record_failure(reason):
-                log.warning("remote KV tier %s is failing, answering misses for now: %s", self.target.where, reason)
+            self._failed(e)
             return None
         if self._breaker.record_success():
             log.info("remote KV tier %s answers again", self.target.where)
         return result
+
+    def _failed(self, e: Exception) -> None:
+        """A call to the server failed: counted, and told to the circuit breaker."""
+        with self._lock:
+            self._num_failures += 1
+        reason = f"{type(e).__name__}: {e}"
+        if self._breaker.record_failure(reason):
+            log.warning("remote KV tier %s is failing, answering misses for now: %s", self.target.where, reason)
 
     def _put_limited(self, owner: bytes, limit: int, batch: dict[bytes, bytes], names: list[bytes],
                      sealed: list[bytes]) -> bool:

@@ -13,13 +13,14 @@ from test_tiers_engine import ask
 from test_transfers_engine import add_looked_up, cold_run, run_rest, slow_prefill
 
 from engine_runs import assert_same_output, run_one
+from kvtierd.storage.redis_gets import ReadGets
 from kvtierd.tiers.config import RemoteConfig, TierConfig
 from kvtierd.tiers.read_ahead import ReadAhead
 from kvtierd.tiers.restore_planner import LOADS_AHEAD
 
 
 class Server:
-    """A fetch that records its calls and answers when the test opens its gate."""
+    """A store's `send_gets` that records its calls and answers when the test opens its gate."""
 
     def __init__(self) -> None:
         self.calls: list[list[bytes]] = []
@@ -30,7 +31,7 @@ class Server:
         self.calls.append(list(keys))
         self.busy.set()
         self.gate.wait()
-        return None if b"down" in keys else [None if k == b"gone" else k.upper() for k in keys]
+        return None if b"down" in keys else ReadGets([None if k == b"gone" else k.upper() for k in keys])
 
 
 def test_values_are_read_in_one_call_and_each_is_taken_once():
@@ -39,8 +40,8 @@ def test_values_are_read_in_one_call_and_each_is_taken_once():
     ahead.start([b"a", b"b", b"gone"])
     ahead.start([b"a"])  # on its way already
     server.gate.set()
-    assert ahead.take(b"a").result() == b"A"
-    assert ahead.take(b"gone").result() is None  # not in the store
+    assert ahead.take(b"a").read() == b"A"
+    assert ahead.take(b"gone").read() is None  # not in the store
     assert ahead.take(b"a") is None  # taken: a later load asks the store itself
     assert server.calls == [[b"a", b"b", b"gone"]] and len(ahead) == 1
     ahead.close()
@@ -51,7 +52,7 @@ def test_a_failed_call_answers_none_for_each_of_its_values():
     server.gate.set()
     ahead = ReadAhead(server, threads=1)
     ahead.start([b"down", b"x"])
-    assert ahead.take(b"x").result() is None and ahead.take(b"down").result() is None
+    assert ahead.take(b"x").read() is None and ahead.take(b"down").read() is None
     ahead.close()
 
 
@@ -66,7 +67,7 @@ def test_a_call_whose_values_are_all_dropped_never_starts_and_the_limit_holds():
     ahead.drop([b"y"])  # z is still wanted: its call stays
     ahead.drop([b"z", b"p"])  # none of y, z's call is wanted now, nor of p's (q was past the limit)
     server.gate.set()
-    assert ahead.take(b"x").result() == b"X"
+    assert ahead.take(b"x").read() == b"X"
     ahead.close()
     assert server.calls == [[b"x"]]
 

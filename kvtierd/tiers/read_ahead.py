@@ -7,17 +7,17 @@ prompt's ten chunks waited five delays, past what recomputing them would take.
 A value needs no pages, only its load's copy does: so as a request's loads
 start, the values of its other chunks are read in one call beside its first
 loads' own round trips, and a load finds its value here, waiting for the call
-if it is still on its way. Only the round trip: the tags are checked, the
-frame decoded and copied in the load, paced like any other. The values come
-off the socket at once, their receive (and a proxy's relay) beside the steps:
-eight of the bundled model's chunks (96 MB) through `bench stall`'s slow Redis
-held the streams' steps up to ~70 ms, against 2 s for the recompute that the
-loads made too late turned into. So the remote tier reads ahead only when its
-round trips are slow (remote_backend.py); a fast one's loads read as they go.
+if it is still on its way. Only the round trip: the value is read off the
+connection (held for the call: storage/redis_gets.py), its tag checked, the
+frame decoded and copied in the load, paced like any other. Read at once on
+the read-ahead thread, eight of the bundled model's chunks (96 MB) through
+`bench stall`'s slow Redis came off the socket beside the streams' steps and
+held them up to ~90 ms. The remote tier reads ahead only when its round trips
+are slow (remote_backend.py); a fast one's loads read as they go.
 
 At most `limit` values are held or on their way; a request that ends before
 its loads took them drops them (`drop`): a call none of whose values is
-wanted any more does not start.
+wanted any more does not start, or gives its connection back.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+from kvtierd.storage.redis_gets import SentGets
 from kvtierd.tiers.background_work import init_worker_thread
 
 READ_AHEAD_THREADS = 2  # calls on their way at once: two requests' reads do not queue behind each other
 MAX_READ_AHEAD = 16  # values held or on their way, at most (a bundled-model chunk: 12 MB)
 
-# The values of these keys as stored, in one call (None for a key not there); None when the call failed.
-FetchMany = Callable[[Sequence[bytes]], "list[bytes | None] | None"]
+# The GETs of these keys sent in one call, its round trip waited for; None when the call failed.
+SendGets = Callable[[Sequence[bytes]], "SentGets | None"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,21 +44,34 @@ class AheadValue:
     call: Future
     index: int
 
-    def result(self) -> bytes | None:
-        """Its value (waiting for the call); None when it is not there or the call failed."""
-        values = self.call.result()
-        return None if values is None else values[self.index]
+    def wait(self) -> None:
+        """Waits for its call's round trip."""
+        self.call.result()
+
+    def read(self) -> bytes | None:
+        """Its value, read off the call's connection (waiting for the call first); None when it is not there
+        or the call failed."""
+        gets = self.call.result()
+        return None if gets is None else gets.read(self.index)
+
+
+@dataclass(slots=True)
+class _OnItsWay:
+    """A call not sent yet, or waiting for its round trip."""
+
+    size: int  # its values
+    dropped: list[int]  # its values dropped meanwhile: let go as it arrives (all of them: it need not start)
 
 
 class ReadAhead:
-    def __init__(self, fetch_many: FetchMany, threads: int = READ_AHEAD_THREADS, limit: int = MAX_READ_AHEAD) -> None:
-        self._fetch_many = fetch_many
+    def __init__(self, send_gets: SendGets, threads: int = READ_AHEAD_THREADS, limit: int = MAX_READ_AHEAD) -> None:
+        self._send_gets = send_gets
         self._limit = limit
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="kvtierd-read-ahead",
                                         initializer=init_worker_thread)
         self._lock = threading.Lock()
         self._ahead: dict[bytes, AheadValue] = {}
-        self._wanted: dict[Future, int] = {}  # a call -> its values not taken nor dropped yet
+        self._on_its_way: dict[Future, _OnItsWay] = {}
 
     def start(self, keys: Iterable[bytes]) -> None:
         """Reads these keys' values in one call, but those already on their way and those past the limit."""
@@ -65,26 +79,35 @@ class ReadAhead:
             new = list(dict.fromkeys(k for k in keys if k not in self._ahead))[: self._limit - len(self._ahead)]
             if not new:
                 return
-            call = self._pool.submit(self._fetch_many, new)
-            self._wanted[call] = len(new)
+            call = self._pool.submit(self._send_gets, new)
+            self._on_its_way[call] = _OnItsWay(len(new), [])
             for i, key in enumerate(new):
                 self._ahead[key] = AheadValue(call, i)
+        call.add_done_callback(self._arrived)
 
     def take(self, key: bytes) -> AheadValue | None:
-        """The value of `key` read ahead (no longer held here); None when none was."""
+        """The value of `key` read ahead (no longer held here: its taker reads it); None when none was."""
         with self._lock:
-            value = self._ahead.pop(key, None)
-            if value is not None:
-                self._unwant(value.call)
-            return value
+            return self._ahead.pop(key, None)
 
     def drop(self, keys: Iterable[bytes]) -> None:
-        """Forgets these keys' values; a call none of whose values is wanted any more does not start."""
+        """Forgets these keys' values: a call none of whose values was taken does not start, and a connection
+        none of whose values is wanted is given back."""
+        unneeded = []
         with self._lock:
             for key in keys:
                 value = self._ahead.pop(key, None)
-                if value is not None and self._unwant(value.call):
-                    value.call.cancel()
+                if value is None:
+                    continue
+                way = self._on_its_way.get(value.call)
+                if way is None:
+                    _drop_sent(value.call, value.index)
+                    continue
+                way.dropped.append(value.index)
+                if len(way.dropped) == way.size:
+                    unneeded.append(value.call)
+        for call in unneeded:
+            call.cancel()  # runs `_arrived` at once when it had not started
 
     def clear(self) -> None:
         with self._lock:
@@ -99,10 +122,15 @@ class ReadAhead:
         self.clear()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
-    def _unwant(self, call: Future) -> bool:
-        """One value of `call` is no longer held; True when it was its last."""
-        self._wanted[call] -= 1
-        if self._wanted[call]:
-            return False
-        del self._wanted[call]
-        return True
+    def _arrived(self, call: Future) -> None:
+        """A call's round trip is over (or it was cancelled): the values dropped meanwhile are let go."""
+        with self._lock:
+            way = self._on_its_way.pop(call)
+        for index in way.dropped:
+            _drop_sent(call, index)
+
+
+def _drop_sent(call: Future, index: int) -> None:
+    gets = None if call.cancelled() or call.exception() is not None else call.result()
+    if gets is not None:
+        gets.drop(index)

@@ -47,7 +47,7 @@ class RemoteBackend(WriterBackend):
                  counts: TierCounts, transfer_stats: TransferStats, defer_s: float = 0.0) -> None:
         super().__init__(store, codec, max_pending_bytes, pages, counts, transfer_stats, defer_s)
         self.fleet_epoch = FleetEpoch(store)
-        self._read_ahead = ReadAhead(store.get_sealed)
+        self._read_ahead = ReadAhead(store.send_gets)
         self.read_ahead_past_s = READ_AHEAD_PAST_S
 
     def usable(self) -> bool:
@@ -78,13 +78,15 @@ class RemoteBackend(WriterBackend):
     def _get(self, key: bytes, between: Between = no_pause) -> Buffer | None:
         # A load that yields to the steps waits for the server beside them, the turn passed on: as a slice, a slow
         # Redis's answer held the step that lent it up to SLICE_WAIT_S, and the other load behind it.
+        # Its value is read off the socket after that, in the load's slice: beside the steps, a value's receive
+        # slowed them as any work there does.
         waiting = BACKGROUND_WORK.unsliced if BACKGROUND_WORK.pacing() else None
         ahead = self._read_ahead.take(key)
         if ahead is None:
             return self.storage.get_many([key], between, waiting)[0]
         with waiting() if waiting is not None else nullcontext():
-            sealed = ahead.result()
-        return self.storage.unseal_many([key], None if sealed is None else [sealed], between)[0]
+            ahead.wait()
+        return self.storage.unseal_many([key], [ahead.read()], between)[0]
 
     def _found(self, key: bytes) -> None:
         self.fleet_epoch.remember(key)  # the fleet has it: no need to send it back
