@@ -132,7 +132,7 @@ class RedisDirectory:
                 while not self._closed.is_set() and time.monotonic() < rescan_at:
                     message = pubsub.get_message(timeout=LISTEN_S)
                     if message is not None and message["type"] == "message":
-                        self.add(bytes.fromhex(h.decode()) for h in message["data"].split())
+                        self.add(k for k in map(_key_of_hex, message["data"].split()) if k is not None)
                         if self.num_keys > self._max_keys:
                             return self._give_up()
         finally:
@@ -162,8 +162,13 @@ class RedisDirectory:
 
 def _key_of(name: bytes, prefix: bytes) -> bytes | None:
     """The chunk key a value's name holds; None for the keyspace's other names (its epoch, its ledgers)."""
+    return _key_of_hex(name[len(prefix):])
+
+
+def _key_of_hex(text: bytes) -> bytes | None:
+    """None for what is no hex (a message on the channel that no RedisStore sent)."""
     try:
-        return bytes.fromhex(name[len(prefix):].decode())
+        return bytes.fromhex(text.decode())
     except (ValueError, UnicodeDecodeError):
         return None
 

@@ -28,6 +28,8 @@ def test_it_knows_what_was_stored_before_it_and_hears_what_other_hosts_store_aft
         assert reader.known_each([key(1), key(2), key(3), key(4)]) == [True, True, False, False]
         assert directory.num_keys == 2
 
+        with empty_redis.client() as raw:
+            raw.publish(reader.announce_channel, b"zz not-hex")  # nothing a store sends: skipped
         assert writer.put_many([(key(5), value(5))])  # another host stores: announced on the keyspace's channel
         assert other_fleet.put_many([(key(6), value(6))])
         wait_until(lambda: reader.known_each([key(5)]) == [True], "the other host's announcement")

@@ -289,8 +289,9 @@ SETTINGS: tuple[Setting, ...] = (
             "queued (0: never wait)"),
     Setting("lookup_wait_share", "tiers", "lookup_wait_share", LOOKUP_WAIT_SHARE, float_at_least(0.0),
             "a new request waits for the lower tiers to say what they hold of its prompt this share of the estimated "
-            "time to recompute it, at most, then recomputes (0: uses only an answer already there; a far or slow "
-            "Redis: 0.3 lets a long prompt wait out a round trip and load, and a miss then waits it too)"),
+            "time to recompute it, at most, then recomputes (0: uses only an answer already there; a remote tier "
+            "with its directory answers without a round trip; without it, a far or slow Redis: 0.3 lets a long "
+            "prompt wait out a round trip and load, and a miss then waits it too)"),
     Setting("remote_url", "remote", "url", None, parse_optional_str,
             "the fleet's shared KV tier: redis://, rediss://, unix://, redis+sentinel://HOST:PORT/SERVICE or "
             "redis+cluster:// (empty: none)"),

@@ -4,9 +4,9 @@ An invalidation on any host starts a new fleet epoch (INCR in Redis); the
 others read it at most `FLEET_EPOCH_REFRESH_S` (and a round trip) later, and
 from then on never find what was stored before. Those reads run on a thread
 of their own: a lookup uses the epoch it has, and never waits for a far or
-slow Redis to answer what is nearly always the same number. While the epoch is unknown (Redis down since
-start) the remote tier is not used at all: a guessed epoch could serve KV
-another host has invalidated.
+slow Redis to answer what is nearly always the same number. While the epoch
+is unknown (Redis down since start) the remote tier is not used at all: a
+guessed epoch could serve KV another host has invalidated.
 
 It also remembers the keys this host stored or found under the current epoch
 (a bounded set), so a chunk is sent to the fleet once, not with every request
