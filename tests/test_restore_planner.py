@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvtierd.engine.step_cost import StepCostModel, StepShape
+from kvtierd.engine.step_cost import StepCost, StepCostModel, StepShape
 from kvtierd.tiers.restore_planner import LOADS_AHEAD, ChunkCost, LoadCost, RestorePlanner
 
 MB = 1 << 20
@@ -137,3 +137,11 @@ def test_a_requests_loads_overlap_loads_ahead_at_a_time() -> None:
     assert p.plan([chunk("remote")]).decision == "recompute"  # one load alone: 0.35 s against 0.256
     plan = p.plan([chunk("remote")] * 10)  # 3.5 s of loads, two at a time: 1.75 s against 2.56
     assert plan.decision == "load" and plan.load_s == pytest.approx(1.75)
+
+
+def test_a_recompute_beside_decodes_counts_their_steps() -> None:
+    """Beside decoding streams a prompt goes in smaller steps (`prefill_chunk_beside_decodes`), each with the
+    decodes in it: its recompute pays every one of those steps, not two steps of its own."""
+    cost = StepCost(overhead_s=0.01, prefill_token_s=1e-3, decode_token_s=2e-3)
+    assert cost.prefill_seconds(512, 2048) == pytest.approx(0.01 + 0.512)
+    assert cost.prefill_seconds(512, 256, StepShape(0, 3, 0)) == pytest.approx(2 * (0.01 + 0.256 + 3 * 2e-3))

@@ -184,7 +184,7 @@ class Scheduler:
         self.prefill_share = prefill_share  # what a prefill may add to a step of decodes, of their cost (0: off)
         self.prefill_chunk_beside_decodes = prefill_chunk_beside_decodes  # a prefill's tokens a step beside them
         self.join_split_share = JOIN_SPLIT_SHARE  # a one-token piece adding this share to its decodes' step splits
-        self.decoding = False  # the last plan had decodes: a prefill now would go beside them
+        self.decoding = StepShape()  # the last plan's decodes: a prefill now would go beside them
         self.max_queue_s: Mapping[str, float] = qos.max_queue_s
         self.shed_low_after_s = qos.shed_low_after_s
         self.step_budget_ms: Mapping[str, float | None] = qos.step_budget_ms
@@ -230,7 +230,7 @@ class Scheduler:
             self._serve_running(plan, room, lower)
             self._admit_waiting(plan, room, lower, inflight, no_room, deferred)
         self._split_joins(plan)
-        self.decoding = bool(plan.decodes)
+        self.decoding = StepShape(0, len(plan.decodes), sum(s.context_len for s in plan.decodes))
         return plan
 
     def _split_joins(self, plan: StepPlan) -> None:

@@ -96,14 +96,14 @@ class StepCost:
         return c.overhead_s + c.prefill_token_s * shape.num_prefill_tokens + c.decode_token_s * shape.num_decodes \
             + c.context_token_s * shape.num_context_tokens
 
-    def prefill_seconds(self, tokens: int, step_tokens: int) -> float:
-        """A prompt of `tokens` computed alone in steps of at most `step_tokens`: what recomputing it costs,
-        against which the restore planner weighs loading its KV."""
+    def prefill_seconds(self, tokens: int, step_tokens: int, beside: StepShape = StepShape()) -> float:
+        """A prompt of `tokens` computed in steps of at most `step_tokens`, each with `beside` in it too (the
+        decodes running): what recomputing it costs, against which the restore planner weighs loading its KV."""
         seconds, done = 0.0, 0
         while done < tokens:
             n = min(step_tokens, tokens - done)
             done += n
-            seconds += self.seconds(StepShape(num_prefill_tokens=n, num_context_tokens=done))
+            seconds += self.seconds(beside.plus(num_prefill_tokens=n, num_context_tokens=done))
         return seconds
 
     def prefill_tokens_within(self, shape: StepShape, limit_s: float, num_cached: int = 0) -> int:
