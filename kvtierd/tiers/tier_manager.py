@@ -178,10 +178,15 @@ class TierManager:
                     break
         return found
 
-    def load(self, found: FoundChunk, skip: int, block_ids: Sequence[int]) -> Tier | None:
+    def load(self, found: FoundChunk, skip: int, block_ids: Sequence[int],
+             waited_for: Callable[[], bool] = lambda: True) -> Tier | None:
         """Copies pages `skip`.. of a found chunk into the device pages `block_ids` (on a transfer worker: see
         `transfers`); returns the tier it counts for: where it was found, or where a prefetch for this request
-        copied it from. None when the value is gone (evicted since the lookup) or fails its checks."""
+        copied it from. None when the value is gone (evicted since the lookup) or fails its checks. Its time
+        teaches the restore planner only if a request still waited for it as it ended (`waited_for`): one
+        abandoned at its deadline crawls on beside the recompute that replaced it: timed, a slow fleet's warm-up
+        load that missed its deadline set the estimate of the next ones at 24 s (they took 1-1.5 s), and every
+        later request recomputed."""
         t0 = time.perf_counter()
         served, host = self._by_tier.get(found.tier), self.host_tier
         if host is not None and served is not host:  # prefetched meanwhile: the nearest copy serves
@@ -191,7 +196,8 @@ class TierManager:
                 served = host
         if served is None or not served.load(found.span, skip, block_ids):
             return None
-        self.planner.observe_load(served.tier, len(block_ids) * self.bytes_per_page, time.perf_counter() - t0)
+        if waited_for():
+            self.planner.observe_load(served.tier, len(block_ids) * self.bytes_per_page, time.perf_counter() - t0)
         # A prefetched copy counts for the tier that had the chunk.
         tier = found.tier if self._prefetcher is None else self._prefetcher.origin(found.span.last_hash, found.tier)
         counts = self.counts[tier]

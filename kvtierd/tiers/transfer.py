@@ -113,8 +113,9 @@ class TransferStats:
 class TransferQueue:
     """The loads in flight and the worker threads that run them."""
 
-    def __init__(self, load: Callable[[FoundChunk, int, Sequence[int]], Tier | None], bytes_per_page: int,
-                 stats: TransferStats, workers: int = TRANSFER_WORKERS) -> None:
+    def __init__(self, load: Callable[[FoundChunk, int, Sequence[int], Callable[[], bool]], Tier | None],
+                 bytes_per_page: int, stats: TransferStats, workers: int = TRANSFER_WORKERS) -> None:
+        """`load(found, skip, block_ids, waited_for)`: `waited_for()` tells whether a request still waits for it."""
         self._load = load
         self._bytes_per_page = bytes_per_page
         self.num_workers = workers
@@ -214,7 +215,7 @@ class TransferQueue:
 
     def _run(self, load: ChunkLoad) -> Tier | None:
         t0 = time.perf_counter()
-        tier = self._load(load.found, load.skip, load.block_ids)
+        tier = self._load(load.found, load.skip, load.block_ids, lambda: bool(load.waiters))
         if tier is not None:
             self.stats.observe(load.found.tier, "load", time.perf_counter() - t0,
                                len(load.block_ids) * self._bytes_per_page)
