@@ -11,6 +11,7 @@ from waiting import wait_until
 
 from kvtierd.storage.redis_directory import RedisDirectory
 from kvtierd.storage.redis_keyspace import RedisKeyspace
+from kvtierd.storage.redis_store import RedisStore
 
 
 def test_it_knows_what_was_stored_before_it_and_hears_what_other_hosts_store_after(empty_redis: RedisServer) -> None:
@@ -23,8 +24,7 @@ def test_it_knows_what_was_stored_before_it_and_hears_what_other_hosts_store_aft
         assert other_fleet.put_many([(key(3), value(3))]) and other_secret.put_many([(key(4), value(4))])
         assert writer.bump_epoch() == 1  # the keyspace's epoch: a name beside the values, no chunk
         assert reader.known_each([key(1)]) is None  # not following: lookups ask the server
-        directory = reader.follow()
-        wait_until(lambda: directory.complete, "the directory's first scan")
+        directory = following(reader)
         assert reader.known_each([key(1), key(2), key(3), key(4)]) == [True, True, False, False]
         assert directory.num_keys == 2
 
@@ -44,8 +44,7 @@ def test_a_complete_directory_answers_while_the_server_does_not(empty_redis: Red
     writer, reader = make_store(empty_redis.url), make_store(proxy.url)
     try:
         assert writer.put_many([(key(1), value(1))])
-        directory = reader.follow()
-        wait_until(lambda: directory.complete, "the directory's first scan")
+        directory = following(reader)
         proxy.hold()
         assert reader.known_each([key(1), key(2)]) == [True, False]
         assert reader.contains_each([key(1)]) == [False]  # asked, the held server answers nothing in time
@@ -60,8 +59,7 @@ def test_a_complete_directory_answers_while_the_server_does_not(empty_redis: Red
 def test_its_own_stores_hits_and_deletes_count_at_once(empty_redis: RedisServer) -> None:
     store = make_store(empty_redis.url)
     try:
-        directory = store.follow()
-        wait_until(lambda: directory.complete, "the directory's first scan")
+        directory = following(store)
         assert store.put_many([(key(1), value(1)), (key(2), value(2)), (key(3), value(3))])
         assert store.known_each([key(1), key(2), key(3)]) == [True, True, True]
         assert store.delete_many([key(1)]) == 1 and store.quarantine(key(2), "a test")
@@ -101,8 +99,7 @@ def test_a_server_that_goes_away_empties_it_and_its_return_fills_it_again(redis_
     writer, reader = make_store(server.url), make_store(server.url)
     try:
         assert writer.put_many([(key(1), value(1))])
-        directory = reader.follow()
-        wait_until(lambda: directory.complete, "the directory's first scan")
+        directory = following(reader)
         server.stop()
         wait_until(lambda: not directory.complete, "the directory noticing its server gone")
         assert reader.known_each([key(1)]) is None  # lookups ask the server again
@@ -136,8 +133,7 @@ def test_on_a_cluster_it_scans_every_master_and_hears_every_store(redis_factory:
     try:
         items = [(key(i), value(i, 10)) for i in range(60)]
         assert writer.put_many(items[:30])
-        directory = reader.follow()
-        wait_until(lambda: directory.complete, "the directory's first scan")
+        directory = following(reader)
         assert directory.num_keys == 30
         assert writer.put_many(items[30:])  # spread over the three masters; announced once, heard by all
         wait_until(lambda: directory.num_keys == 60, "the announcements of the later stores")
@@ -154,6 +150,13 @@ def _count_scans(raw: redis.Redis):
     start = calls()
     return lambda: calls() - start
 
+
+
+def following(store: RedisStore) -> RedisDirectory:
+    """`store`'s directory, started and complete."""
+    directory = store.follow()
+    wait_until(lambda: directory.complete, "the directory's first scan")
+    return directory
 
 
 def _directory(server: RedisServer, store, **options) -> RedisDirectory:
