@@ -9,11 +9,11 @@ start, the values of its other chunks are read in one call beside its first
 loads' own round trips, and a load finds its value here, waiting for the call
 if it is still on its way. Only the round trip: the value is read off the
 connection (held for the call: storage/redis_gets.py), its tag checked, the
-frame decoded and copied in the load, paced like any other. Read at once on
-the read-ahead thread, eight of the bundled model's chunks (96 MB) through
-`bench stall`'s slow Redis came off the socket beside the streams' steps and
-held them up to ~90 ms. The remote tier reads ahead only when its round trips
-are slow (remote_backend.py); a fast one's loads read as they go.
+frame decoded and copied in the load, paced like any other: read at once on
+the read-ahead thread, eight of the bundled model's chunks (96 MB) came off
+the socket in one burst beside the streams' steps. The remote tier reads ahead
+only when its round trips are slow (remote_backend.py); a fast one's loads
+read as they go.
 
 At most `limit` values are held or on their way; a request that ends before
 its loads took them drops them (`drop`): a call none of whose values is
