@@ -22,8 +22,7 @@ running requests' steps they take turns, so each time holds the other's
 turns too; on an idle engine they run on two cores side by side; a far
 Redis's round trips overlap. Summed one after another, the loads of a
 2,560-token prompt through a Redis 300 ms away were estimated at 1.3 s
-against 0.45 s (and a slow first load's 14 s against 4.3 s made every later
-one recompute); over LOADS_AHEAD, at 0.43 s.
+against 0.45 s; over LOADS_AHEAD, at 0.43 s.
 
 A chunk is worth loading only once the chunks before it are (a chain is a
 prefix), so the plan loads the leading run of chunks whose cumulative saving is
