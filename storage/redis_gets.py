@@ -41,10 +41,6 @@ class SentGets(Protocol):
         """Nobody will read the `index`-th value."""
         ...
 
-    def close(self) -> None:
-        """Nobody will read any of its values."""
-        ...
-
 
 class ReadGets:
     """Values read already (a Cluster's pipeline)."""
@@ -58,9 +54,6 @@ class ReadGets:
 
     def drop(self, index: int) -> None:
         self._values[index] = None
-
-    def close(self) -> None:
-        self._values = [None] * len(self._values)
 
 
 class PipelinedGets:
