@@ -39,7 +39,11 @@ fleet holds without asking the server.
 
 Threads: any thread may call any method; redis-py's connection pool hands each
 its own connection. `stats()` does no I/O: the server's figures come from an
-INFO read at most every USAGE_INTERVAL_S by the calls that talk to it anyway.
+INFO read at most every USAGE_INTERVAL_S by its puts and its epoch's reads,
+which talk to it anyway, never by a read of values: a load waited out that
+extra round trip inside its paced slice, and through a Redis 300 ms away the
+step that lent it waited SLICE_WAIT_S for it (a 68 ms gap in the streams,
+`bench stall`'s slow-Redis scenario).
 """
 
 from __future__ import annotations
@@ -219,7 +223,6 @@ class RedisStore:
             self._discard([keys[i] for i in forged])
             self._drop([names[i] for i in forged],
                        "its HMAC tag does not match (forged, altered, or sealed under another secret)")
-        self._refresh_usage_if_stale()
         return frames
 
     def put_many(self, items: Sequence[tuple[bytes, bytes]], owner: bytes = b"") -> bool:
@@ -311,6 +314,7 @@ class RedisStore:
         answer = self._timed(lambda client: (client.get(self._epoch_name()),))  # a tuple: None means it failed
         if answer is None:
             return None
+        self._refresh_usage_if_stale()
         return int(answer[0]) if answer[0] is not None else 0
 
     def bump_epoch(self) -> int | None:

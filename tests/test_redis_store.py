@@ -88,6 +88,32 @@ def test_put_get_contains_delete(store: RedisStore) -> None:
     assert store.stats().num_entries == 2 and store.stats().bytes_used > 0
 
 
+def test_reads_never_ask_the_server_for_its_figures_and_the_epochs_reads_do(empty_redis: RedisServer) -> None:
+    # A read's INFO round trip ran inside its load's paced slice: through a slow Redis the lending step waited
+    # for it.
+    looks = 0
+
+    def infos() -> int:
+        """INFO calls the server answered, but this function's own."""
+        nonlocal looks
+        with empty_redis.client() as raw:
+            calls = raw.info("commandstats").get("cmdstat_info", {}).get("calls", 0)
+        looks += 1
+        return calls - (looks - 1)
+
+    writer, reader = make_store(empty_redis.url), make_store(empty_redis.url)
+    assert writer.put_many([(key(i), value(i)) for i in range(3)])
+    before = infos()
+    assert reader.get_many([key(0), key(1)]) == [value(0), value(1)]
+    assert reader.unseal_many([key(2)], reader.get_sealed([key(2)])) == [value(2)]
+    assert infos() == before and reader.stats().num_entries == 0  # never read: its figures are not known yet
+    assert reader.read_epoch() == 0
+    assert infos() == before + 1 and reader.stats().num_entries == 3
+    assert reader.read_epoch() == 0 and infos() == before + 1  # read again USAGE_INTERVAL_S later at the soonest
+    writer.close()
+    reader.close()
+
+
 def test_a_key_given_twice_keeps_its_last_value_and_empty_batches_cost_nothing(store: RedisStore) -> None:
     assert store.put_many([(key(1), b"first"), (key(1), b"second")])
     assert store.get_many([key(1)]) == [b"second"]
