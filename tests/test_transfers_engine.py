@@ -153,6 +153,36 @@ def test_a_lend_is_a_share_of_the_step_the_cost_model_predicts_not_of_a_slow_las
     run_rest(engine, other)
 
 
+def test_a_step_that_also_computes_a_prompt_lends_a_share_of_its_decodes_time(loaded, make_engine, monkeypatch):
+    """A step that admits a new prompt beside a decode is the decode's longest gap already: its lend is a share of
+    the decode's own step, not of the prompt's."""
+    tok = loaded.tokenizer
+    engine, prompt = prompt_below_the_device(make_engine, tok)
+    slow_prefill(engine)
+    held = HeldWorkers(engine)
+    add_looked_up(engine, prompt)
+    other = engine.add_request(tok.encode("A short question about pages?"),
+                               SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
+    engine.step()
+    add_looked_up(engine, tok.encode("Another question, about swapping, and what it costs the others? " * 3))
+    lends: list[float] = []
+    lend = BACKGROUND_WORK.lend
+    monkeypatch.setattr(BACKGROUND_WORK, "lend", lambda seconds: (lends.append(seconds), lend(seconds)))
+    BACKGROUND_WORK.engine_computes(True)
+    try:
+        decodes = StepShape(num_decodes=1, num_context_tokens=engine.requests[other].num_tokens + 1)
+        predicted = engine.step_cost.current.seconds(decodes)
+        engine.step()  # the new prompt and the decode; the loads queued (the workers held): it lends
+    finally:
+        BACKGROUND_WORK.engine_computes(False)
+        held.release()
+    assert engine.last_step.num_tokens > 20  # the prompt was in it
+    assert lends == [pytest.approx(LEND_SHARE * predicted, rel=0.01)]
+    engine.abort_request(other)
+    while engine.has_unfinished():
+        engine.step()
+
+
 def test_two_requests_needing_the_same_chunks_share_one_load_each(loaded, make_engine):
     tok = loaded.tokenizer
     engine, prompt = prompt_below_the_device(make_engine, tok)

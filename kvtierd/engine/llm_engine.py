@@ -321,14 +321,19 @@ class LLMEngine:
         """Lends paced loads LEND_SHARE of the step's time as the step-cost model predicts it, after scheduling
         and before the forward, never beside it (tiers/background_work.py); returns the seconds it waited. The
         last step's measured time made a slow step's successor lend 10-16 ms (`bench stall`, remote): two
-        slow gaps for one. A load that lands in the lend is indexed right after it (its request queues) and
+        slow gaps for one. With decodes in the step, the share is of their time alone: a step that also
+        computes a prompt (a stream's next request) is the streams' longest gap already, and its share of it
+        (17 ms before a 55 ms step, `bench stall` slow Redis) lengthened the very gaps that make their ITL p99.
+        A load that lands in the lend is indexed right after it (its request queues) and
         admitted by the next step's scheduling, which lends nothing if no other load is left: the step in
         which a long context's first token joins the batch, the longest of a load's window, is lengthened
         neither by a lend nor by indexing what was loaded (160 pages: 1-2 ms)."""
         if not BACKGROUND_WORK.wants_lend:
             return 0.0
         t = time.perf_counter()
-        BACKGROUND_WORK.lend(LEND_SHARE * self.step_cost.current.seconds(plan.shape))
+        decodes = self.scheduler.decoding  # this plan's
+        lent_of = decodes if decodes.num_decodes else plan.shape
+        BACKGROUND_WORK.lend(LEND_SHARE * self.step_cost.current.seconds(lent_of))
         self.scheduler.collect_loaded()
         return time.perf_counter() - t
 
