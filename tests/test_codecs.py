@@ -99,8 +99,8 @@ def test_one_codec_serves_many_threads(name: str) -> None:
 
 @pytest.mark.parametrize("name", CODEC_NAMES)
 def test_decoding_calls_between_after_each_slice_of_its_work(name: str) -> None:
-    """A paced load yields in `between`: a value of several slices calls it once a slice (and once a plane), and
-    decodes to the same bytes."""
+    """A paced load yields in `between`: a value of several slices calls it once a slice (of zstd's output, and of
+    putting its byte planes back together), and decodes to the same bytes."""
     codec = get_codec(name)
     data = activations(3 * SLICE_BYTES // 2, torch.bfloat16)  # 3 slices of bytes
     calls: list[int] = []
@@ -108,4 +108,4 @@ def test_decoding_calls_between_after_each_slice_of_its_work(name: str) -> None:
     if name == "raw":
         assert not calls  # a view of the value: no work to slice
     else:
-        assert len(calls) >= {"zstd": 3, "zstd-planes": 3 + 2}[name]
+        assert len(calls) >= {"zstd": 3, "zstd-planes": 3 + 3}[name]
