@@ -124,10 +124,9 @@ def test_a_load_that_lands_in_a_lend_is_indexed_there_and_its_request_joins_the_
     assert engine.kv.pool.num_used_blocks == 0
 
 
-def test_a_lend_is_a_share_of_the_step_the_cost_model_predicts_not_of_a_slow_last_step(loaded, make_engine,
-                                                                                       monkeypatch):
-    """A step that ran long (the machine, not the step's work) does not make the next step lend long: the lend
-    is LEND_SHARE of what the step about to run is predicted to cost."""
+def loads_held_beside_a_decode(loaded, make_engine) -> tuple:
+    """An engine whose request below the device has its loads queued (the workers held, the planner patient)
+    while another request decodes, one step in: (engine, the held workers, the decoding request's id)."""
     tok = loaded.tokenizer
     engine, prompt = prompt_below_the_device(make_engine, tok)
     slow_prefill(engine)
@@ -136,9 +135,23 @@ def test_a_lend_is_a_share_of_the_step_the_cost_model_predicts_not_of_a_slow_las
     other = engine.add_request(tok.encode("A short question about pages?"),
                                SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
     engine.step()
+    return engine, held, other
+
+
+def lends_recorded(monkeypatch) -> list[float]:
+    """The seconds of each lend from now on (each still lends them)."""
     lends: list[float] = []
     lend = BACKGROUND_WORK.lend
     monkeypatch.setattr(BACKGROUND_WORK, "lend", lambda seconds: (lends.append(seconds), lend(seconds)))
+    return lends
+
+
+def test_a_lend_is_a_share_of_the_step_the_cost_model_predicts_not_of_a_slow_last_step(loaded, make_engine,
+                                                                                       monkeypatch):
+    """A step that ran long (the machine, not the step's work) does not make the next step lend long: the lend
+    is LEND_SHARE of what the step about to run is predicted to cost."""
+    engine, held, other = loads_held_beside_a_decode(loaded, make_engine)
+    lends = lends_recorded(monkeypatch)
     BACKGROUND_WORK.engine_computes(True)
     try:
         engine.last_step = replace(engine.last_step, total_s=10.0)  # as if the machine had stalled it
@@ -156,18 +169,10 @@ def test_a_lend_is_a_share_of_the_step_the_cost_model_predicts_not_of_a_slow_las
 def test_a_step_that_also_computes_a_prompt_lends_a_share_of_its_decodes_time(loaded, make_engine, monkeypatch):
     """A step that admits a new prompt beside a decode is the decode's longest gap already: its lend is a share of
     the decode's own step, not of the prompt's."""
-    tok = loaded.tokenizer
-    engine, prompt = prompt_below_the_device(make_engine, tok)
-    slow_prefill(engine)
-    held = HeldWorkers(engine)
-    add_looked_up(engine, prompt)
-    other = engine.add_request(tok.encode("A short question about pages?"),
-                               SamplingParams(max_tokens=120, temperature=0.0, ignore_eos=True))
-    engine.step()
-    add_looked_up(engine, tok.encode("Another question, about swapping, and what it costs the others? " * 3))
-    lends: list[float] = []
-    lend = BACKGROUND_WORK.lend
-    monkeypatch.setattr(BACKGROUND_WORK, "lend", lambda seconds: (lends.append(seconds), lend(seconds)))
+    engine, held, other = loads_held_beside_a_decode(loaded, make_engine)
+    question = "Another question, about swapping, and what it costs the others? " * 3
+    add_looked_up(engine, loaded.tokenizer.encode(question))
+    lends = lends_recorded(monkeypatch)
     BACKGROUND_WORK.engine_computes(True)
     try:
         decodes = StepShape(num_decodes=1, num_context_tokens=engine.requests[other].num_tokens + 1)
@@ -179,8 +184,7 @@ def test_a_step_that_also_computes_a_prompt_lends_a_share_of_its_decodes_time(lo
     assert engine.last_step.num_tokens > 20  # the prompt was in it
     assert lends == [pytest.approx(LEND_SHARE * predicted, rel=0.01)]
     engine.abort_request(other)
-    while engine.has_unfinished():
-        engine.step()
+    run_rest(engine, other)
 
 
 def test_two_requests_needing_the_same_chunks_share_one_load_each(loaded, make_engine):
