@@ -16,7 +16,8 @@ from kvtierd.tiers.chunk import ChunkCopy, spans_of
 from kvtierd.tiers.config import TierConfig
 from kvtierd.tiers.page_copy import page_runs
 from kvtierd.tiers.store_name import disk_store_name
-from kvtierd.tiers.tier_manager import TierManager, TierPinError
+from kvtierd.tiers.tier_manager import TierManager
+from kvtierd.tiers.tier_pins import TierPinError
 
 GEOMETRY = KVGeometry(num_layers=2, num_kv_heads=1, head_dim=4, block_size=4, dtype=torch.float16)
 ROOT = b"r" * 16
@@ -351,15 +352,15 @@ def test_chunks_pinned_in_the_host_tier_outlive_its_lru_until_unpinned():
     pinned_hashes, pinned_tokens = chain(4, seed=1)
     ours = copies(pinned_hashes, pinned_tokens, [0, 1, 2, 3])
     before = pages(device, [0, 1, 2, 3])
-    assert tiers.pin("host", "pin-a", ours, share=0.5)  # written to the host tier, then pinned
-    assert tiers.pinned_bytes("host") == 4 * GEOMETRY.bytes_per_block
+    assert tiers.pins.pin("host", "pin-a", ours, share=0.5)  # written to the host tier, then pinned
+    assert tiers.pins.pinned_bytes("host") == 4 * GEOMETRY.bytes_per_block
     for seed in range(2, 8):  # 12 other chunks through 4 unpinned slots
         hashes, tokens = chain(4, seed)
         tiers.demote(copies(hashes, tokens, [4, 5, 6, 7]))
     assert layout(tiers.lookup(ROOT, pinned_hashes, pinned_tokens, 0)) == [("host", 0, 2), ("host", 2, 2)]
     assert load_all(tiers, pinned_hashes, pinned_tokens, 0, 20) == [20, 21, 22, 23]
     assert all(torch.equal(a, b) for a, b in zip(pages(device, [20, 21, 22, 23]), before))
-    assert tiers.unpin("pin-a") is not None and tiers.pinned_bytes("host") == 0
+    assert tiers.pins.unpin("pin-a") is not None and tiers.pins.pinned_bytes("host") == 0
     for seed in range(8, 11):
         hashes, tokens = chain(4, seed)
         tiers.demote(copies(hashes, tokens, [4, 5, 6, 7]))
@@ -371,27 +372,27 @@ def test_a_pin_over_its_tiers_budget_or_without_its_tier_is_refused():
     tiers = small_host_tiers(device, slots=6)
     hashes, tokens = chain(8, seed=1)
     with pytest.raises(TierPinError, match="over its pin budget"):
-        tiers.pin("host", "big", copies(hashes, tokens, list(range(8))), share=0.25)
-    assert tiers.pins == {} and tiers.lookup(ROOT, hashes, tokens, 0) == []  # nothing written for a refused pin
+        tiers.pins.pin("host", "big", copies(hashes, tokens, list(range(8))), share=0.25)
+    assert len(tiers.pins) == 0 and tiers.lookup(ROOT, hashes, tokens, 0) == []  # nothing written for a refused pin
     with pytest.raises(TierPinError, match="no disk tier"):
-        tiers.pin("disk", "d", copies(hashes, tokens, list(range(8))), share=0.5)
+        tiers.pins.pin("disk", "d", copies(hashes, tokens, list(range(8))), share=0.5)
 
 
 def test_a_disk_pin_writes_what_is_missing_at_once_and_is_found_again_after_a_reopen(tmp_path):
     device = make_device(32)
     tiers = make_tiers(device, disk=tmp_path, host=False)
     hashes, tokens = chain(5, seed=1)
-    assert tiers.pin("disk", "pin-d", copies(hashes, tokens, [0, 1, 2, 3, 4]), share=0.5)
+    assert tiers.pins.pin("disk", "pin-d", copies(hashes, tokens, [0, 1, 2, 3, 4]), share=0.5)
     assert tiers.disk.contains_prefix([tiers.epoch.key(hashes[1]), tiers.epoch.key(hashes[3])]) == 2  # no wait()
     other, other_tokens = chain(3, seed=2)
-    assert not tiers.pin("disk", "pin-x", copies(other, other_tokens, []), share=0.5)  # neither on disk nor given
+    assert not tiers.pins.pin("disk", "pin-x", copies(other, other_tokens, []), share=0.5)  # neither on disk nor given
     tiers.close()
     reopened = make_tiers(device, disk=tmp_path, host=False)
-    assert reopened.pin("disk", "pin-d", copies(hashes, tokens, []), share=0.5)  # at startup: found on disk
+    assert reopened.pins.pin("disk", "pin-d", copies(hashes, tokens, []), share=0.5)  # at startup: found on disk
     assert load_all(reopened, hashes, tokens, 0, 20) == [20, 21, 22, 23, 24]
     assert all(torch.equal(a, b) for a, b in zip(pages(device, [20, 21, 22, 23, 24]), pages(device, [0, 1, 2, 3, 4])))
     reopened.invalidate_all()  # the chunks are unreachable now: the pin holds nothing, the LRU may take them
-    assert reopened.pinned_bytes("disk") == 0 and "pin-d" in reopened.pins
+    assert reopened.pins.pinned_bytes("disk") == 0 and "pin-d" in reopened.pins
     reopened.close()
 
 

@@ -17,7 +17,8 @@ from kvtierd.cache.prefix_lookup import PrefixLookup
 from kvtierd.cache.session_pool import SessionKey, SessionPools
 from kvtierd.cache.stores_below import StoresBelow
 from kvtierd.tiers.chunk import ChunkCopy
-from kvtierd.tiers.tier_manager import PIN_TIERS, TierManager, TierPinError
+from kvtierd.tiers.tier_manager import TierManager
+from kvtierd.tiers.tier_pins import PIN_TIERS, TierPinError
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class Pinning:
     def unpin(self, pin_id: str) -> Pin | None:
         pin = self.pins.remove(pin_id)
         if pin is not None and pin.tier != "device" and self._tiers is not None:
-            self._tiers.unpin(pin_id)
+            self._tiers.pins.unpin(pin_id)
         return pin
 
     def follow_session(self, key: SessionKey, block_ids: list[int]) -> None:
@@ -91,7 +92,7 @@ class Pinning:
     def expire(self, now: float | None = None) -> None:
         for pin in self.pins.expire(now):
             if pin.tier != "device" and self._tiers is not None:
-                self._tiers.unpin(pin.pin_id)
+                self._tiers.pins.unpin(pin.pin_id)
 
     def _resident_pages(self, key: SessionKey) -> list[int]:
         chain = self._sessions.get(key)
@@ -113,7 +114,7 @@ class Pinning:
             raise PinError(f"there is no {pin.tier} tier: turn the lower tiers on, or pin to the device")
         share = self.pins.budget_pages / self.pool.num_blocks
         try:
-            if not self._tiers.pin(pin.tier, pin.pin_id, copies, share):
+            if not self._tiers.pins.pin(pin.tier, pin.pin_id, copies, share):
                 return None
         except TierPinError as e:
             raise (PinBudgetError if "budget" in str(e) else PinError)(str(e)) from e

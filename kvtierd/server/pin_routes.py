@@ -27,7 +27,8 @@ from kvtierd.server.schemas import require_object
 from kvtierd.server.session_routes import session_tenant
 from kvtierd.server.state import STATE, DaemonState
 from kvtierd.storage.session_store import PinRecord
-from kvtierd.tiers.tier_manager import PIN_TIERS, TierManager
+from kvtierd.tiers.tier_manager import TierManager
+from kvtierd.tiers.tier_pins import PIN_TIERS
 
 log = logging.getLogger(__name__)
 routes = web.RouteTableDef()
@@ -55,7 +56,7 @@ def budget_json(state: DaemonState) -> dict:
     for t in state.engine.engine.tier_stats():
         if t.name in PIN_TIERS and t.enabled:
             budget[t.name] = {"budget_bytes": int(share * t.capacity_bytes),
-                              "pinned_bytes": _below(state).pinned_bytes(t.name)}
+                              "pinned_bytes": _below(state).pins.pinned_bytes(t.name)}
     return budget
 
 

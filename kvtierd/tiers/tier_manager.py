@@ -1,6 +1,7 @@
 """The tier manager: the policy of the tiers below the device. Which tiers a chunk is saved to, in what order
-they are asked for a prompt's chunks, what a load counts for, pins and their budgets, and the restore plan.
-The bytes, keys, codecs and writer threads are each tier's backend (`backend.py`).
+they are asked for a prompt's chunks (`chunk_lookup.py`), what a load counts for, pins and their budgets
+(`tier_pins.py`), and the restore plan. The bytes, keys, codecs and writer threads are each tier's backend
+(`backend.py`).
 
     device pages --save--> host slab   every evicted chunk, and idle ones ahead of eviction (the watermark)
                       \\-->  disk        evicted chunks `disk_admission` takes, session turns
@@ -25,7 +26,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 
 from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.disk_store import DiskStore
@@ -34,6 +34,7 @@ from kvtierd.storage.redis_store import RedisStore
 from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.backend import Admission, PinnableBackend, TierBackend
 from kvtierd.tiers.chunk import ChunkCopy, ChunkSpan, FoundChunk
+from kvtierd.tiers.chunk_lookup import find_chunks
 from kvtierd.tiers.config import TierConfig
 from kvtierd.tiers.device_chunk import DeviceChunk
 from kvtierd.tiers.open_backends import open_backends
@@ -42,22 +43,9 @@ from kvtierd.tiers.prefetch import Prefetcher
 from kvtierd.tiers.restore_planner import RestorePlanner
 from kvtierd.tiers.store_name import disk_store_name
 from kvtierd.tiers.tier import Tier
+from kvtierd.tiers.tier_pins import PIN_TIERS, TierPins
 from kvtierd.tiers.tier_stats import Reconciliation, TierCounts, TierStats, off_stats
 from kvtierd.tiers.transfer import TransferQueue, TransferStats
-
-PIN_TIERS = (Tier.HOST, Tier.DISK)  # the tiers this host owns: the fleet's is shared, and its TTL rules it
-
-
-class TierPinError(ValueError):
-    """A pin below the device that cannot be made as asked (its tier is off, or over its pin budget)."""
-
-
-@dataclass(frozen=True, slots=True)
-class TierPin:
-    tier: Tier  # one of PIN_TIERS
-    keys: tuple[bytes, ...]  # the chunks it holds
-    nbytes: int  # their KV bytes: what counts against the tier's pin budget
-
 
 class TierManager:
     def __init__(self, config: TierConfig, device: DeviceKVPool, model_fingerprint: str = "") -> None:
@@ -79,7 +67,8 @@ class TierManager:
         self._prefetcher = Prefetcher(self.host_tier, below, self.counts, self.lookup) \
             if self.host_tier is not None and below else None
         self.planner = RestorePlanner()
-        self.pins: dict[str, TierPin] = {}  # pin id -> what it holds below the device
+        self.pins = TierPins(self._pinnable, lambda t: self._off.get(t) or self._by_tier[t].failure, self.epoch,
+                             self._geometry)
         # Loads run here, off the engine's step: the cache manager submits them and collects them between steps.
         self.transfers = TransferQueue(self.load, self.bytes_per_page, self.transfer_stats)
         # Finished turns' copies out of the device, off the step: one thread, in submission order, yielding to
@@ -121,62 +110,11 @@ class TierManager:
 
     def lookup(self, namespace: bytes, block_hashes: Sequence[bytes], token_ids: Sequence[int],
                start: int) -> list[FoundChunk]:
-        """The stored chunks that continue a chain whose first `start` pages are on the device, in order.
-
-        `block_hashes` are the hashes of the prompt's full pages from its chain's start, `token_ids`
-        its tokens. The first chunk may begin before `start` (chunks are aligned): loading skips the
-        pages the device has."""
+        """The stored chunks that continue a chain whose first `start` pages are on the device, in order, each
+        from the nearest tier that holds it (`chunk_lookup.py`)."""
         tiers = [b for b in self._backends if b.usable()]
-        if not tiers:
-            return []
-        n, m = self.chunk_pages, len(block_hashes)
-        first = start - start % n
-        ends = range(first + n, m + 1, n)
-        # A tier is asked once, when it is first needed (a slow Redis's delay once, not once per question):
-        # whether it holds each whole chunk, and the partial last chunks the chain ends with when none or all of
-        # the whole ones are found (where most lookups end); a tier is asked again only for a partial chunk past
-        # a run that stopped midway.
-        guesses = list(dict.fromkeys((*_partial_ends(first, m, start, n), *_partial_ends(ends[-1] if ends else first,
-                                                                                        m, start, n))))
-        answers: dict[int, tuple[list[bool], dict[int, bool]]] = {}  # tier -> (each whole chunk, partial end -> held)
-
-        def answer(j: int) -> tuple[list[bool], dict[int, bool]]:
-            if j not in answers:
-                held = tiers[j].holds_each([block_hashes[e - 1] for e in (*ends, *guesses)])
-                answers[j] = (held[: len(ends)], dict(zip(guesses, held[len(ends) :], strict=True)))
-            return answers[j]
-
-        found: list[FoundChunk] = []
-        i = 0
-        while i < len(ends):  # whole chunks: the longest run from i in the nearest tier that has chunk i
-            for j, b in enumerate(tiers):
-                whole = answer(j)[0]
-                k = next((x for x, there in enumerate(whole[i:]) if not there), len(ends) - i)
-                if k:
-                    found += [FoundChunk(b.tier, self._span(namespace, block_hashes, token_ids, e - n, e))
-                              for e in ends[i : i + k]]
-                    i += k
-                    break
-            else:
-                break
-        pos = first + i * n
-        # Then the chain's partial last chunk, if one was stored here: the longest first. Every length is asked
-        # in one call per tier: a call per length cost a slow Redis's delay 15 times for each new prompt.
-        partial_ends = _partial_ends(pos, m, start, n)
-        if partial_ends:
-            held = []
-            for j, b in enumerate(tiers):
-                guessed = answers[j][1] if j in answers else {}
-                if all(end in guessed for end in partial_ends):
-                    held.append([guessed[end] for end in partial_ends])
-                else:
-                    held.append(b.holds_each([block_hashes[end - 1] for end in partial_ends]))
-            for j, end in enumerate(partial_ends):
-                b = next((b for b, h in zip(tiers, held, strict=True) if h[j]), None)
-                if b is not None:
-                    found.append(FoundChunk(b.tier, self._span(namespace, block_hashes, token_ids, pos, end)))
-                    break
-        return found
+        return find_chunks(tiers, self.chunk_pages, self._geometry.block_size, namespace, block_hashes, token_ids,
+                           start) if tiers else []
 
     def load(self, found: FoundChunk, skip: int, block_ids: Sequence[int],
              waited_for: Callable[[], bool] = lambda: True) -> Tier | None:
@@ -302,56 +240,6 @@ class TierManager:
                     b.store(c.span.last_hash, identity, chunk, cataloged)
         return True, disk_keys
 
-    # -- pins ----------------------------------------------------------------------------------
-
-    def pin(self, tier: str, pin_id: str, copies: Sequence[ChunkCopy], share: float) -> bool:
-        """Pins a chain's chunks in `tier` for `pin_id`, in place of what it pinned before. A chunk the tier
-        lacks is saved there first from the device pages of its copy (a copy without pages must be there
-        already). False when a chunk is neither there nor on the device. Raises TierPinError when the tier is
-        off or the pin would take more than `share` of its capacity."""
-        tier = Tier(tier)
-        backend = self._pinnable(tier)
-        if backend is None:
-            reason = self._off.get(tier) or self._by_tier[tier].failure
-            raise TierPinError(f"there is no {tier} tier to pin to ({reason}); pin to the device, or turn it on")
-        keys = tuple(self.epoch.key(c.span.last_hash) for c in copies)
-        nbytes = sum(c.span.num_pages for c in copies) * self.bytes_per_page
-        old = self.pins.get(pin_id)
-        budget = int(share * backend.capacity_bytes)
-        others = sum(p.nbytes for i, p in self.pins.items() if p.tier == tier and i != pin_id)
-        if others + nbytes > budget:
-            raise TierPinError(f"this pin needs {nbytes >> 20} MiB of the {tier} tier and would make "
-                               f"{(others + nbytes) >> 20} MiB pinned there, over its pin budget of "
-                               f"{budget >> 20} MiB; unpin something or raise [qos] pin_share")
-        missing = [(c, key) for c, key in zip(copies, keys) if not backend.has(key)]
-        if any(not c.block_ids for c, _ in missing):
-            return False
-        for c, key in missing:
-            backend.store_now(key, c.span.identity(self._geometry), c.block_ids)
-        if backend.pin(keys) != len(keys):  # a write failed, or another chunk's write evicted one
-            backend.unpin(keys)
-            return False
-        self.pins[pin_id] = TierPin(tier, keys, nbytes)
-        if old is not None:  # a session pin following its session: what it no longer holds goes back to the LRU
-            self._release_pin(old)
-        return True
-
-    def unpin(self, pin_id: str) -> TierPin | None:
-        pin = self.pins.pop(pin_id, None)
-        if pin is not None:
-            self._release_pin(pin)
-        return pin
-
-    def pinned_bytes(self, tier: str) -> int:
-        return sum(p.nbytes for p in self.pins.values() if p.tier == tier)
-
-    def _release_pin(self, pin: TierPin) -> None:
-        """Unpins a pin's chunks that no pin in `self.pins` holds (call once it is out of them)."""
-        held = {k for p in self.pins.values() if p.tier == pin.tier for k in p.keys}
-        backend = self._pinnable(pin.tier)
-        if backend is not None:
-            backend.unpin([k for k in pin.keys if k not in held])
-
     def _pinnable(self, tier: Tier) -> PinnableBackend | None:
         backend = self._by_tier.get(tier) if tier in PIN_TIERS else None
         return backend if backend is not None and backend.usable() else None
@@ -369,10 +257,7 @@ class TierManager:
         """Makes everything stored so far unreachable (a new epoch, here and in the fleet); the LRU
         reclaims its room."""
         self.epoch.renew()
-        for pin_id, pin in list(self.pins.items()):  # their chunks are unreachable now: let the LRU have them
-            if (backend := self._pinnable(pin.tier)) is not None:
-                backend.unpin(pin.keys)
-            self.pins[pin_id] = TierPin(pin.tier, (), 0)
+        self.pins.empty_all()  # their chunks are unreachable now: let the LRU have them
         for b in self._backends:
             b.invalidate()
 
@@ -404,14 +289,3 @@ class TierManager:
         """One row per tier: host and disk always (off ones say why), the fleet's when one is configured."""
         return [self._by_tier[t].stats() if t in self._by_tier else off_stats(t, self._off[t], self.counts[t])
                 for t in Tier if t in self._by_tier or t in self._off]
-
-    def _span(self, namespace: bytes, block_hashes: Sequence[bytes], token_ids: Sequence[int], start: int,
-              end: int) -> ChunkSpan:
-        bs = self._geometry.block_size
-        return ChunkSpan(namespace, start, tuple(block_hashes[start:end]), tuple(token_ids[start * bs : end * bs]))
-
-
-def _partial_ends(pos: int, num_pages: int, start: int, chunk_pages: int) -> range:
-    """The ends of the partial chunks a chain found up to page `pos` may end with, the longest first (past the
-    device's `start` pages)."""
-    return range(min(pos + chunk_pages - 1, num_pages), max(pos, start), -1)
