@@ -14,8 +14,9 @@ for the cache manager to save below before anything writes into them). A
 lookup that meets an expired page counts a miss and evicts it; `expire`
 sweeps a few between engine steps.
 
-Invalidation unindexes pages at once, and every page chained after them (they
-would be unreachable): no new request can find them; pages in use keep their
+Invalidation (`cache/invalidation.py` chooses the pages) unindexes pages at
+once, and every page chained after them (they would be unreachable): no new
+request can find them; pages in use keep their
 contents for their holders and come back uncached. Evictions are counted by
 reason. A page's generation is bumped whenever its contents may change
 (allocated, written in place, unindexed). Pages held by high-class sequences
@@ -279,52 +280,12 @@ class BlockPool:
     def _is_expired(self, block_id: int, now: float) -> bool:
         return self.refs.is_free(block_id) and self.index.is_expired(block_id, now)
 
-    # -- invalidation ------------------------------------------------------------------
-
-    def evict(self, block_id: int) -> bool:
-        """Forgets an idle cached page now (and what was chained after it); it goes first in line for reuse."""
-        if self.refs.ref_counts[block_id] != 0 or block_id not in self.index:
-            return False
-        self.evictions.invalidated += self._unindex_tree(block_id)
-        return True
+    # -- unindexing ------------------------------------------------------------------
 
     def unindex_subtree(self, block_id: int) -> int:
-        """Unindexes a page and every page chained after it; returns how many (the caller counts them)."""
+        """Unindexes a page and every page chained after it; returns how many (the caller counts them under its
+        reason: `cache/invalidation.py` chooses which pages go)."""
         return self._unindex_tree(block_id) if block_id in self.index else 0
-
-    def unindex_from(self, block_id: int) -> int:
-        """Unindexes a page, every page chained after it, and the pages before it
-        that nothing else was chained after: a prefix and what was derived from it,
-        sparing what other prefixes still share. Returns how many (the caller
-        counts them under its reason)."""
-        page = self.index.pages.get(block_id)
-        if page is None:
-            return 0
-        n = self._unindex_tree(block_id)
-        parent = page.parent_hash
-        while parent is not None and parent not in self.index.children:
-            b = self.index.by_hash.get(parent)
-            if b is None:
-                break
-            parent = self.index.pages[b].parent_hash
-            n += self._unindex_tree(b)
-        return n
-
-    def invalidate_namespace(self, root: BlockHash) -> int:
-        """Drops every page of namespace `root` from the index; returns how many."""
-        return self._invalidate([b for b, page in self.index.pages.items() if page.root == root])
-
-    def invalidate_tag(self, tag: str) -> int:
-        """Drops every page marked with `tag` and everything chained after them; returns how many."""
-        return self._invalidate(list(self.index.tagged.get(tag, ())))
-
-    def invalidate_all(self) -> int:
-        return self._invalidate(list(self.index.pages))
-
-    def _invalidate(self, block_ids: list[int]) -> int:
-        n = sum(self._unindex_tree(b) for b in block_ids if b in self.index)
-        self.evictions.invalidated += n
-        return n
 
     def _unindex_tree(self, block_id: int) -> int:
         """Unindexes a page and every indexed page chained after it; idle ones go

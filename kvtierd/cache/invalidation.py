@@ -59,21 +59,35 @@ class Invalidation:
         """Drops every cached page and session pool of a namespace (a tenant's cache flushed); returns pages."""
         self._sessions.sessions.forget_namespace(root)
         self._below()
-        return self.pool.invalidate_namespace(root)
+        return self._drop([b for b, page in self.pool.index.pages.items() if page.root == root])
 
     def tag(self, tag: str) -> int:
+        """Drops every page marked with `tag` and everything chained after them; returns how many."""
         self._below()
-        return self.pool.invalidate_tag(tag)
+        return self._drop(list(self.pool.index.tagged.get(tag, ())))
 
     def all(self) -> int:
         self._sessions.sessions.forget_all()
         self._below()
-        return self.pool.invalidate_all()
+        return self._drop(list(self.pool.index.pages))
 
     def _unindex_from(self, block_id: int | None) -> int:
-        n = self.pool.unindex_from(block_id) if block_id is not None else 0
+        """Unindexes a page, every page chained after it, and the pages before it that nothing else was chained
+        after: a prefix and what was derived from it, sparing what other prefixes still share."""
+        index = self.pool.index
+        page = index.pages.get(block_id) if block_id is not None else None
+        n = self.pool.unindex_subtree(block_id) if page is not None else 0
+        parent = page.parent_hash if page is not None else None
+        while parent is not None and parent not in index.children and (b := index.by_hash.get(parent)) is not None:
+            parent = index.pages[b].parent_hash
+            n += self.pool.unindex_subtree(b)
         self.pool.evictions.invalidated += n
         self._below()
+        return n
+
+    def _drop(self, block_ids: list[int]) -> int:
+        n = sum(self.pool.unindex_subtree(b) for b in block_ids)
+        self.pool.evictions.invalidated += n
         return n
 
     def _below(self) -> None:

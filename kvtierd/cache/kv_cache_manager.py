@@ -1,4 +1,4 @@
-"""Allocates pages to sequences, the one place that edits page tables, and coordinates the cache's parts.
+"""Coordinates the cache's parts: page tables, the prefix index, sessions, pins and the tiers below.
 
     page table of a sequence with block_size 4 and 6 tokens:
 
@@ -9,8 +9,9 @@ Pages are shared by reference count: adopted from the prefix index or a
 session's pool (`find_prefix` + `adopt_prefix`, `cache/prefix_lookup.py`), or
 by `fork`. A shared or indexed page is read-only: before a sequence writes
 into one that is partly filled, it gets a private copy (copy-on-write,
-returned in `Allocation.copies` for the caller to make on the device). Full
-pages are indexed as soon as their tokens are computed (`commit`), so
+returned in `Allocation.copies` for the caller to make on the device; the
+tables and every edit to them are `cache/page_tables.py`). Full pages are
+indexed as soon as their tokens are computed (`commit`), so
 requests running at the same time already share them. A request's page
 hashes are computed once (`BlockHashes`, carried by the request) and handed
 to each call that needs them.
@@ -31,9 +32,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from kvtierd.cache.block_hash import BlockHash, BlockHashes, rebase
+from kvtierd.cache.block_hash import BlockHash, BlockHashes
 from kvtierd.cache.block_pool import BlockPool
 from kvtierd.cache.cache_shares import CacheShares
 from kvtierd.cache.compaction import CompactionPlan, plan_compaction
@@ -41,6 +42,7 @@ from kvtierd.cache.fragmentation import Fragmentation, PageUse, measure, page_us
 from kvtierd.cache.invalidation import Invalidation
 from kvtierd.cache.loading import LoadTicket, Loading
 from kvtierd.cache.page_table import PageTable
+from kvtierd.cache.page_tables import Allocation, PageTables
 from kvtierd.cache.pinning import Pinning
 from kvtierd.cache.pins import Pin, Pins
 from kvtierd.cache.prefix_lookup import DeviceHit, PrefixHit, PrefixLookup, on_device
@@ -51,12 +53,6 @@ from kvtierd.cache.session_pool import SessionKey, SessionPools
 from kvtierd.cache.stores_below import StoresBelow
 from kvtierd.tiers.restore_planner import NOTHING_BELOW, RestorePlan
 from kvtierd.tiers.tier_manager import TierManager
-
-
-@dataclass(slots=True)
-class Allocation:
-    slots: list[int]  # one cache slot per new token, in order
-    copies: list[tuple[int, int]]  # (src page, dst page) to copy before writing
 
 
 LOAD_POLL_S = 0.05  # the longest an engine with nothing but loads to wait for sleeps before looking again
@@ -94,7 +90,7 @@ class KVCacheManager:
         self.pinning = Pinning(self.pins, self.lookup, self.stores, self.sessions, tiers, clock)
         self.session_cache = SessionCache(self.pool, self.sessions, self.pinning, block_size)
         self.invalidation = Invalidation(self.pool, self.session_cache, self.lookup, tiers)
-        self._tables: dict[str, PageTable] = {}
+        self.tables = PageTables(self.pool, block_size, hash_algorithm)
         self.loading = Loading(self.pool, tiers, block_size, self.demote_evicted) if tiers is not None else None
         self._retention: dict[str, Retention] = {}  # sequence -> its soft-retention hint (cache/retention.py)
 
@@ -110,10 +106,10 @@ class KVCacheManager:
         return pages * self.block_size
 
     def table(self, seq_id: str) -> PageTable:
-        return self._tables[seq_id]
+        return self.tables[seq_id]
 
     def block_ids(self, seq_id: str) -> list[int]:
-        return self._tables[seq_id].block_ids
+        return self.tables[seq_id].block_ids
 
     def hashes(self, root: BlockHash, hashes: BlockHashes | None = None) -> BlockHashes:
         """A sequence's page hashes in namespace `root`: `hashes` when given (made once, carried by the
@@ -122,38 +118,11 @@ class KVCacheManager:
         return hashes if hashes is not None else self.lookup.hashes(root)
 
     def allocate_slots(self, seq_id: str, num_new_tokens: int, high: bool = False) -> Allocation | None:
-        """Assigns slots to the next tokens of `seq_id`, or None when pages run out (nothing changes then).
-        `high` applies to a sequence's first allocation (its class stays with its page table)."""
-        table = self._tables.get(seq_id)
-        if table is None:
-            table = self._tables[seq_id] = PageTable(self.block_size, high=high)
-        last = table.block_ids[-1] if table.last_block_is_partial else None
-        cow = last is not None and num_new_tokens > 0 and (
-            self.pool.ref_count(last) > 1 or self.pool.page_info(last) is not None)
-        fresh = self.pool.allocate(table.num_new_blocks(num_new_tokens) + cow, table.high)
-        if fresh is None:
-            if not table.block_ids:
-                del self._tables[seq_id]
-            return None
-        copies = []
-        if cow:
-            private = fresh.pop(0)
-            copies.append((last, private))
-            table.block_ids[-1] = private
-            self.pool.release([last], table.high)
-        elif last is not None and num_new_tokens:
-            self.pool.note_write(last)
-        table.block_ids.extend(fresh)
-        slots = table.slots(table.num_tokens, num_new_tokens)
-        table.num_tokens += num_new_tokens
-        return Allocation(slots=slots, copies=copies)
+        """Slots for the next tokens of `seq_id`, or None when pages run out (`PageTables.allocate`)."""
+        return self.tables.allocate(seq_id, num_new_tokens, high)
 
     def allocated_slots(self, seq_id: str, start: int, num_tokens: int) -> Allocation:
-        """The slots `allocate_slots` gave tokens `start` .. of `seq_id` already, for a step that computes them
-        again in part (a split join's second part: engine/scheduler.py): nothing new, nothing to copy."""
-        table = self._tables[seq_id]
-        assert start + num_tokens <= table.num_tokens, "those tokens have no slots yet"
-        return Allocation(slots=table.slots(start, num_tokens), copies=[])
+        return self.tables.allocated(seq_id, start, num_tokens)
 
     # -- finding and adopting cached KV ---------------------------------------------------
 
@@ -173,14 +142,13 @@ class KVCacheManager:
         loaded first, blocking (tools and benchmarks; the scheduler loads in two phases, `look_below`).
         Returns what was adopted: less than found when a chunk finds no free pages or is gone from its tier
         (the rest is computed instead)."""
-        assert seq_id not in self._tables, f"sequence {seq_id} already has pages"
+        assert seq_id not in self.tables, f"sequence {seq_id} already has pages"
         if hit.below:
             hit = self._load_now(seq_id, hit, high)
         self.pool.touch(hit.block_ids, high)
         if tag is not None:
             self.pool.tag(hit.block_ids, tag)
-        self._tables[seq_id] = PageTable(self.block_size, list(hit.block_ids), hit.num_tokens,
-                                         list(hit.block_hashes), hit.public_blocks, hit.own_from, high)
+        self.tables.adopt(seq_id, hit, high)
         return hit
 
     def _load_now(self, seq_id: str, hit: PrefixHit, high: bool) -> PrefixHit:
@@ -266,7 +234,7 @@ class KVCacheManager:
 
     def write_through(self, seq_id: str, root: BlockHash, token_ids: Sequence[int],
                       session: bool = True) -> tuple[bytes, ...]:
-        return self.stores.write_through(self._tables[seq_id], root, token_ids, session)
+        return self.stores.write_through(self.tables[seq_id], root, token_ids, session)
 
     def reap_stores(self, timeout_s: float | None = 0.0) -> bool:
         return self.stores.reap_stores(timeout_s)
@@ -276,32 +244,15 @@ class KVCacheManager:
 
     def commit(self, seq_id: str, root: BlockHash, token_ids: Sequence[int], num_computed: int,
                tag: str | None = None, hashes: BlockHashes | None = None) -> None:
-        """Indexes the pages of `seq_id` that the first `num_computed` tokens fill."""
-        table = self._tables[seq_id]
-        done, bs = len(table.block_hashes), self.block_size
-        if num_computed // bs <= done:
-            return
-        prev = table.block_hashes[-1] if done else None
-        if hashes is not None and not table.public_blocks:
-            new = self.hashes(root, hashes).first(token_ids, num_computed // bs)[done:]
-        else:  # chained from its last indexed page; a tenant's first own page after a public prefix: rebased
-            chain = root if prev is None else prev
-            if prev is not None and done == table.public_blocks:
-                chain = rebase(prev, root, self.hash_algorithm)
-            new = BlockHashes(chain, bs, self.hash_algorithm).of_full_pages(token_ids[done * bs : num_computed])
-        for i, h in enumerate(new, start=done):
-            self.pool.cache(table.block_ids[i], h, token_ids[i * bs : (i + 1) * bs], root, depth=i, parent=prev)
-            prev = h
-        if tag is not None:
-            self.pool.tag(table.block_ids[done : done + len(new)], tag)
-        table.block_hashes.extend(new)
+        """Indexes the pages of `seq_id` that the first `num_computed` tokens fill (`PageTables.index`)."""
+        self.tables.index(seq_id, root, token_ids, num_computed, tag, hashes)
 
     # -- sessions (cache/session_cache.py) ------------------------------------------------------
 
     def keep_session(self, seq_id: str, key: SessionKey, token_ids: Sequence[int], num_computed: int) -> None:
         """Keeps the first `num_computed` tokens' pages of `seq_id` as the session's
         context pool, for its next turn (call before `free`)."""
-        table = self._tables.get(seq_id)
+        table = self.tables.get(seq_id)
         if table is not None and num_computed:
             self.session_cache.keep(table, key, token_ids, num_computed)
 
@@ -348,7 +299,7 @@ class KVCacheManager:
     # -- compaction --------------------------------------------------------------------------
 
     def page_use(self) -> PageUse:
-        return page_use(self.pool, self._tables.values(), self.sessions, self.pins)
+        return page_use(self.pool, self.tables.values(), self.sessions, self.pins)
 
     def fragmentation(self) -> Fragmentation:
         return measure(self.page_use())
@@ -364,20 +315,14 @@ class KVCacheManager:
         """Renames every page as `plan` says, once its copies were made on the device: one remap, applied by
         every holder of page ids (loads in flight hold pages the plan left where they are)."""
         remap = plan.remap(self.pool.generation)
-        for holder in (self.pool, *self._tables.values(), self.sessions, self.pins):
+        for holder in (self.pool, *self.tables.values(), self.sessions, self.pins):
             holder.remap(remap)
 
     # -- lifetime --------------------------------------------------------------------------
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """Makes `child_id` share every page of `parent_id` (e.g. for n > 1 samples)."""
-        parent = self._tables[parent_id]
-        assert child_id not in self._tables, f"sequence {child_id} already has pages"
-        self.pool.share(parent.block_ids, parent.high)
-        self._tables[child_id] = PageTable(
-            self.block_size, list(parent.block_ids), parent.num_tokens, list(parent.block_hashes), parent.public_blocks,
-            parent.own_from, parent.high
-        )
+        self.tables.fork(parent_id, child_id)
 
     def retain(self, seq_id: str, retention: Retention) -> None:
         """A soft-retention hint for the pages `seq_id` releases, each time it does, until it is finished."""
@@ -389,7 +334,7 @@ class KVCacheManager:
         if self.loading is not None:
             self.loading.cancel(seq_id)
             self.loading.forget(seq_id)
-        table = self._tables.pop(seq_id, None)
+        table = self.tables.pop(seq_id)
         retention = self._retention.pop(seq_id, None) if finished else self._retention.get(seq_id)
         if table is not None:
             self.pool.release(table.block_ids, table.high, retention)

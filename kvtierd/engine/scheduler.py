@@ -84,7 +84,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvtierd.cache.block_hash import BlockHash, BlockHashes
-from kvtierd.cache.kv_cache_manager import Allocation, KVCacheManager
+from kvtierd.cache.kv_cache_manager import KVCacheManager
+from kvtierd.cache.page_tables import Allocation
 from kvtierd.cache.prefix_lookup import NO_HIT
 from kvtierd.engine.config import QOS_CLASSES, QosConfig
 from kvtierd.engine.qos_queue import QosQueue, TenantKey
