@@ -6,7 +6,9 @@ how long anything took."""
 import threading
 import time
 
-from kvtierd.tiers.background_work import BackgroundWork
+import pytest
+
+from kvtierd.tiers.background_work import BackgroundWork, TaskAbandoned
 
 
 def wait_until(condition, limit_s: float = 30.0) -> None:
@@ -252,6 +254,57 @@ def test_a_paced_task_past_its_bound_runs_without_a_lend():
     work.engine_computes(True)
     try:
         assert pool.submit_paced(time.monotonic() - 1.0, load).result(timeout=60) is False  # no lend given
+    finally:
+        work.engine_computes(False)
+        pool.shutdown(wait=True)
+
+
+def abandoned_at_its_third_slice(work: BackgroundWork, unwanted: threading.Event, slices: list[int]):
+    """A load of five slices whose requests all leave while its third runs."""
+
+    def load() -> None:
+        for i in range(5):
+            slices.append(i)
+            if i == 2:
+                unwanted.set()
+            work.pace()
+
+    return load
+
+
+def test_a_paced_task_nobody_wants_any_more_stops_where_its_next_slice_would_start():
+    """A load whose requests all left (cancelled, or past their deadline) stops at its next `pace`; a task
+    given no test runs to its end."""
+    work = BackgroundWork()
+    pool = work.paced_pool(1, "test-paced")
+    unwanted = threading.Event()
+    slices: list[int] = []
+    load = abandoned_at_its_third_slice(work, unwanted, slices)
+    try:
+        with pytest.raises(TaskAbandoned):
+            pool.submit_paced(None, load, unwanted=unwanted.is_set).result(timeout=60)
+        assert slices == [0, 1, 2]
+        slices.clear()
+        pool.submit_paced(None, load).result(timeout=60)
+        assert slices == [0, 1, 2, 3, 4]
+    finally:
+        pool.shutdown(wait=True)
+
+
+def test_a_paced_task_abandoned_while_it_waits_for_its_first_lend_never_starts():
+    work = BackgroundWork()
+    pool = work.paced_pool(1, "test-paced")
+    unwanted = threading.Event()
+    slices: list[int] = []
+    work.engine_computes(True)  # it waits for a lend to start
+    try:
+        waiting = pool.submit_paced(None, abandoned_at_its_third_slice(work, unwanted, slices),
+                                    unwanted=unwanted.is_set)
+        unwanted.set()
+        work.lend(60.0)  # returns once no paced task is left to run in it
+        with pytest.raises(TaskAbandoned):
+            waiting.result(timeout=60)
+        assert slices == []
     finally:
         work.engine_computes(False)
         pool.shutdown(wait=True)

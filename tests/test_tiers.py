@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from test_paced_loads import wait_until
 
 from kvtierd.cache.block_hash import hash_full_blocks
 from kvtierd.cache.block_pool import BlockPool
 from kvtierd.storage.device_pool import DeviceKVPool
 from kvtierd.storage.geometry import KVGeometry
+from kvtierd.tiers.background_work import BACKGROUND_WORK
 from kvtierd.tiers.chunk import ChunkCopy, spans_of
 from kvtierd.tiers.config import TierConfig
 from kvtierd.tiers.page_copy import page_runs
@@ -412,3 +414,32 @@ def test_a_disk_store_keeps_its_own_name_in_the_catalog(tmp_path):
     (second / "store_id").unlink()
     (second / "store_id").mkdir()  # unreadable as an id (as root, a permission error cannot be staged)
     assert disk_store_name(second) is None
+
+
+def test_a_load_abandoned_while_it_waits_for_a_lend_neither_reads_nor_writes():
+    """A load nobody waits for any more (its request was cancelled, or recomputes past its deadline) stops where
+    its next slice would start: taken by a worker, it waited for the engine's lend, and there it ends without
+    reading its value or writing its pages, which may go then; one still waited for runs to its end."""
+    device = make_device()
+    tiers = make_tiers(device)
+    hashes, tokens = chain(2)
+    tiers.demote(copies(hashes, tokens, [0, 1]))
+    (found,) = tiers.lookup(ROOT, hashes, tokens, 0)
+    untouched = pages(device, [8, 9])
+    BACKGROUND_WORK.engine_computes(True)  # an engine computing: loads run only within its lends
+    try:
+        load = tiers.transfers.submit("gone", found, 0, [8, 9], high=False)
+        wait_until(load.future.running)  # a worker took it: it cannot be cancelled, only abandoned
+        assert not tiers.transfers.leave(load, "gone")
+        BACKGROUND_WORK.lend(60.0)  # returns once no paced task is left to run in it
+        assert tiers.transfers.reap() == [load] and load.tier() is None
+        assert all(torch.equal(a, b) for a, b in zip(untouched, pages(device, [8, 9])))
+        assert tiers.stats()[0].hits == 0
+        kept = tiers.transfers.submit("waits", found, 0, [10, 11], high=False)
+        while not kept.done:
+            BACKGROUND_WORK.lend(60.0)
+        assert kept.tier() == "host"
+        assert all(torch.equal(a, b) for a, b in zip(pages(device, [0, 1]), pages(device, [10, 11])))
+    finally:
+        BACKGROUND_WORK.engine_computes(False)
+        tiers.close()

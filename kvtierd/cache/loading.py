@@ -32,7 +32,8 @@ from when the loads start (what the lookup took is spent either way; counted
 from the lookup, a lookup slowed by a busy machine left a fleet load no time,
 and the request recomputed what had been found):
 past it the request stops waiting and recomputes what has not arrived (the
-late loads are abandoned; their pages come back when their copy ends). A
+late loads are abandoned: they stop at their next slice, and their pages come
+back then). A
 lookup's answer is waited for a share of the estimate of recomputing the
 request's pending tokens (the tiers' `lookup_wait_share`, a tenth by
 default: whatever a request waits for a lookup, a miss waits too; waiting
@@ -250,7 +251,7 @@ class Loading:
             self._let_go(seq_id, t)
 
     def reap(self) -> None:
-        """Releases the pages of abandoned loads whose copy has ended; call between steps."""
+        """Releases the pages of abandoned loads that have stopped; call between steps."""
         for load in self._transfers.reap():
             self._pool.release(load.block_ids, load.high)
 

@@ -39,7 +39,10 @@ counted, a load made the steps run at one thread: 1.5-4x). While an engine
 computes, loads run one at a time (a chunk each turn); past its bound (a
 share of its request's deadline) a load runs in one piece beside the
 steps, and for an engine that computes nothing else (a lone restore) loads
-run at full speed, side by side.
+run at full speed, side by side. A paced task whose result nobody wants any
+more (`unwanted`, given at submission: a load whose requests left, cancelled
+or past their deadline) stops at its next slice: `pace` raises TaskAbandoned
+there, so it no longer takes lends nor holds its pages to the end.
 
 Work a request waits for (a prefetch's copy) is `awaited`: a step always
 leaves it a core. Stores are not: a step the engine predicts
@@ -80,6 +83,10 @@ SLICE_WAIT_S = 0.05
 COUNTED_WAIT_S = 0.02
 
 
+class TaskAbandoned(Exception):
+    """Raised in a paced task, where its next slice would start, once nobody wants its result (`unwanted`)."""
+
+
 def init_worker_thread() -> None:
     """The tiers' worker pools' initializer: torch ops on a worker run on it alone (OpenMP's thread count is per
     thread), so only the step thread keeps a team of OpenMP workers (kernels/torch_threads.py says why); and a
@@ -99,8 +106,9 @@ class BackgroundWork:
         self._engines_with_steps = 0
         self._engines_computing = 0  # engines with running requests: paced tasks run within their lends
         # On a paced task's thread: `.until`, its bound (None: none; False: not a paced task); `.turn`, the turn it
-        # holds (None: it runs beside others); `.slicing`; `.first`, whether its slice is its task's first; `.began`,
-        # when it began; `.first_s` and `.last_s`, how long the thread's last first slice and last later slice took.
+        # holds (None: it runs beside others); `.unwanted`, its submitter's test (None: none); `.slicing`; `.first`,
+        # whether its slice is its task's first; `.began`, when it began; `.first_s` and `.last_s`, how long the
+        # thread's last first slice and last later slice took.
         self._paced = threading.local()
         self._paced_turn = threading.Lock()  # paced tasks run one at a time while an engine computes
         self._lent_until = float("-inf")  # monotonic: paced tasks may start slices until then (`lend`)
@@ -154,13 +162,20 @@ class BackgroundWork:
 
     def pace(self) -> None:
         """Called by a paced task between slices of its work: while an engine computes, its slice ends, and the
-        next one starts within a lend (at once if the lend is still open), up to its bound. Anywhere
-        else (the step thread, a tool) it does nothing."""
+        next one starts within a lend (at once if the lend is still open), up to its bound. Raises
+        TaskAbandoned instead of going on when its result is unwanted now. Anywhere else (the step thread, a
+        tool) it does nothing."""
         if getattr(self._paced, "until", False) is False:
             return
         with self._lock:
             self._end_slice()
             self._begin_slice()
+        self._check_wanted()
+
+    def _check_wanted(self) -> None:
+        unwanted = self._paced.unwanted
+        if unwanted is not None and unwanted():
+            raise TaskAbandoned
 
     @contextmanager
     def unsliced(self) -> Iterator[None]:
@@ -363,20 +378,22 @@ class PacedPool(ThreadPoolExecutor):
         super().__init__(max_workers=max_workers, thread_name_prefix=thread_name_prefix, initializer=init_worker_thread)
         self._work = work
 
-    def submit(self, fn: Callable, /, *args, **kwargs) -> Future:
-        return self.submit_paced(None, fn, *args, **kwargs)
+    def submit(self, fn: Callable, /, *args) -> Future:
+        return self.submit_paced(None, fn, *args)
 
-    def submit_paced(self, until: float | None, fn: Callable, /, *args, **kwargs) -> Future:
+    def submit_paced(self, until: float | None, fn: Callable, /, *args,
+                     unwanted: Callable[[], bool] | None = None) -> Future:
         """A task that runs within lends until monotonic `until` (None: no bound), and in one piece after it.
         Its future is done before its last slice ends: the lend that ran it to its end returns with its result
-        there to collect."""
+        there to collect. Once `unwanted()` is true, it stops where its next slice would start (its future
+        then holds TaskAbandoned)."""
         work = self._work
         with work._lock:
             work._paced_queued += 1
         result: Future = Future()
         started = threading.Event()
         try:
-            queued = super().submit(self._paced, started, result, until, fn, args, kwargs)
+            queued = super().submit(self._paced, started, result, until, unwanted, fn, args)
         except BaseException:  # shut down: nothing was queued
             self._unqueue()
             raise
@@ -389,8 +406,8 @@ class PacedPool(ThreadPoolExecutor):
             self._work._paced_queued -= 1
             self._work._gate.notify_all()
 
-    def _paced(self, started: threading.Event, result: Future, until: float | None, fn: Callable, args: tuple,
-               kwargs: dict) -> None:
+    def _paced(self, started: threading.Event, result: Future, until: float | None,
+               unwanted: Callable[[], bool] | None, fn: Callable, args: tuple) -> None:
         work = self._work
         turn = work._paced_turn if work._engines_computing else None
         if turn is not None:
@@ -399,19 +416,20 @@ class PacedPool(ThreadPoolExecutor):
         try:
             if not result.set_running_or_notify_cancel():
                 return  # cancelled while queued: it left the count then
-            work._paced.until = until
+            work._paced.until, work._paced.unwanted = until, unwanted
             with work._lock:
                 started.set()
                 work._paced_queued -= 1
                 work._begin_slice(first=True)
             try:
-                result.set_result(fn(*args, **kwargs))
+                work._check_wanted()  # it may have waited long for this first slice
+                result.set_result(fn(*args))
             except BaseException as e:  # the caller's to see, as from any executor
                 result.set_exception(e)
             finally:
                 with work._lock:
                     work._end_slice()
-                work._paced.until = False
+                work._paced.until, work._paced.unwanted = False, None
         finally:
             if turn is not None:
                 turn.release()

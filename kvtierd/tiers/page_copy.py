@@ -77,15 +77,18 @@ class PageCopier:
         group = max(1, PACED_SLICE_BYTES // layer_bytes) if BACKGROUND_WORK.pacing() else len(pool)
         hasher = xxhash.xxh3_64()
         payload_layer = len(payload) // len(pool) if payload is not None else 0
-        for start in range(0, len(pool), group):
-            layers = slice(start, start + group)
-            for at, first, n in runs:
-                pool[layers, :, first : first + n].copy_(kv[layers, :, skip + at : skip + at + n], non_blocking=True)
-            if payload is not None:
-                hasher.update(payload[start * payload_layer : (start + group) * payload_layer])
-            BACKGROUND_WORK.pace()
-        if dev.device.type == "cuda":
-            torch.cuda.current_stream(dev.device).synchronize()  # the source may be rewritten once we return
+        try:
+            for start in range(0, len(pool), group):
+                layers = slice(start, start + group)
+                for at, first, n in runs:
+                    pool[layers, :, first : first + n].copy_(kv[layers, :, skip + at : skip + at + n],
+                                                             non_blocking=True)
+                if payload is not None:
+                    hasher.update(payload[start * payload_layer : (start + group) * payload_layer])
+                BACKGROUND_WORK.pace()  # raises TaskAbandoned when nobody wants the load any more
+        finally:
+            if dev.device.type == "cuda":
+                torch.cuda.current_stream(dev.device).synchronize()  # the source may be rewritten once we return
         return hasher.intdigest()
 
 

@@ -17,8 +17,10 @@ request needing the same chunk joins the load under way (`find` + `join`)
 instead of reading it again. A load has waiters (request ids); when the last
 one leaves before the load finished (the request was cancelled, or gave up at
 its deadline and recomputes), the load is abandoned: one still queued is
-cancelled and its pages go back at once; one being copied keeps its pages until
-the copy ends (`reap`), so nothing else is written into them meanwhile. The
+cancelled and its pages go back at once; one under way stops where its next
+slice would start (background_work.py's TaskAbandoned: a slow Redis's late
+value is neither checked, decoded nor copied) and keeps its pages until then
+(`reap`), so nothing else is written into them meanwhile. The
 caller owns the pages' references: this table only says when they may go.
 
 The workers are paced (tiers/background_work.py): while the engine computes
@@ -144,7 +146,7 @@ class TransferQueue:
     def submit(self, waiter: str, found: FoundChunk, skip: int, block_ids: Sequence[int], high: bool,
                pace_until: float | None = None) -> ChunkLoad:
         load = ChunkLoad(found, skip, tuple(block_ids), high, Future(), {waiter})
-        load.future = self._pool.submit_paced(pace_until, self._run, load)
+        load.future = self._pool.submit_paced(pace_until, self._run, load, unwanted=lambda: not load.waiters)
         load.future.add_done_callback(self._notify)
         self._in_flight[load.key] = load
         return load
