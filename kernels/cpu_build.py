@@ -2,10 +2,10 @@
 
 Compiled with the system C compiler (`cc`, or `$CC`) for this CPU (`-march=native`); the library is kept in
 `$KVTIERD_KERNEL_CACHE_DIR` (the systemd units: /var/cache/kvtierd/cpu-kernels) or else under the user's
-cache directory (`$XDG_CACHE_HOME/kvtierd/cpu-kernels`), named by a digest of the source, the flags, the
-compiler and the CPU's flags, so a host that shares a home with a different CPU builds its own. Built with
-`-fopenmp`, a library binds to the libgomp torch loaded first, so its threads are torch's own, not a second
-pool spinning beside it.
+cache directory (`$XDG_CACHE_HOME/kvtierd/cpu-kernels`), named by a digest of the source, the headers the
+sources share (`cpu/*.h`), the flags, the compiler and the CPU's flags, so a host that shares a home with a
+different CPU builds its own. Built with `-fopenmp`, a library binds to the libgomp torch loaded first, so its
+threads are torch's own, not a second pool spinning beside it.
 """
 
 from __future__ import annotations
@@ -67,10 +67,12 @@ def build_kernel(source_name: str, defines: tuple[str, ...] = ()) -> Path | None
 
 
 def _build(compiler: str, source_name: str, defines: tuple[str, ...]) -> Path:
-    source = resources.files("kvtierd.kernels").joinpath("cpu", source_name).read_bytes()
+    cpu = resources.files("kvtierd.kernels").joinpath("cpu")
+    source = cpu.joinpath(source_name).read_bytes()
+    headers = {h.name: h.read_bytes() for h in sorted(cpu.iterdir(), key=lambda h: h.name) if h.name.endswith(".h")}
     flags = (*COMPILE_FLAGS, *defines)
     version = subprocess.run([compiler, "--version"], capture_output=True, check=True).stdout
-    digest = hashlib.sha256(b"\0".join([source, " ".join((*flags, *LINK_FLAGS)).encode(), version,
+    digest = hashlib.sha256(b"\0".join([source, *headers.values(), " ".join((*flags, *LINK_FLAGS)).encode(), version,
                                          cpu_flags()])).hexdigest()[:16]
     cache = Path(os.environ.get("KVTIERD_KERNEL_CACHE_DIR") or
                  Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvtierd" / "cpu-kernels")
@@ -82,6 +84,8 @@ def _build(compiler: str, source_name: str, defines: tuple[str, ...]) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         src, obj, built = Path(tmp) / source_name, Path(tmp) / f"{stem}.o", Path(tmp) / library.name
         src.write_bytes(source)
+        for name, text in headers.items():  # the sources' shared parts (`#include "bf16.h"`)
+            (Path(tmp) / name).write_bytes(text)
         subprocess.run([compiler, *flags, "-c", "-o", str(obj), str(src)], capture_output=True, check=True)
         subprocess.run([compiler, *LINK_FLAGS, "-o", str(built), str(obj), "-lm"], capture_output=True, check=True)
         os.replace(built, library)  # atomic: a daemon starting beside this one sees all of it or none

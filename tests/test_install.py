@@ -35,7 +35,8 @@ PYTHON_DIR = f"python{sys.version_info.major}.{sys.version_info.minor}"
 # Where each source folder lands in the wheel (setup.py's package-dir).
 SOURCE_ROOTS = {"kvtierd": "kvtierd", "kernels": "kvtierd/kernels", "storage": "kvtierd/storage",
                 "migrations": "kvtierd/migrations"}
-PACKAGE_DATA = ("kernels/cuda/*.cu", "kernels/cuda/*.cuh", "migrations/script.py.mako")
+PACKAGE_DATA = ("kernels/cuda/*.cu", "kernels/cuda/*.cuh", "kernels/cpu/*.c", "kernels/cpu/*.h",
+                "migrations/script.py.mako")
 NOT_SOURCE = (".git", ".venv", "build", "dist", "*.egg-info", "__pycache__", ".pytest_cache", ".hypothesis", "state",
               "bench-out")
 # What a daemon must not inherit: a path that would let it import this checkout instead of the wheel.

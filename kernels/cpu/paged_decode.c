@@ -30,26 +30,15 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+#include "touch_tokens.h"
+
 #ifndef HEAD_DIM
 #error "build with -DHEAD_DIM=64 (or the model's head_dim)"
 #endif
 #define MAX_GROUP 16  // query heads per KV head
 #define SEGMENT 256   // context tokens a work item attends over: a long context is split between threads
 #define PART (2 + HEAD_DIM)  // a segment's max score, sum of exps and unnormalised output, per query head
-
-static inline float bf16_to_f32(uint16_t x) {
-  uint32_t u = (uint32_t)x << 16;
-  float f;
-  memcpy(&f, &u, sizeof f);
-  return f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even (no NaN reaches here)
-  return (uint16_t)(u >> 16);
-}
 
 // Pass 2 over `count` query heads' rows of n scores (row g at scores + g * n): exp(score - max) in place, each
 // row's max and sum of exps into its part (part + g * PART).
@@ -214,23 +203,6 @@ static void attend_segment(float* restrict part, const uint16_t* restrict q, int
 }
 #endif
 
-// Reads the keys and values of the tokens [t0, t1) once, a load per cache line with nothing depending on it,
-// so the core keeps many lines in flight; the passes then find them in L2.
-static void touch_segment(const uint16_t* restrict k_cache, const uint16_t* restrict v_cache,
-                          const int32_t* restrict table, int t0, int t1, int block_size, int64_t token_stride) {
-  uint64_t sink = 0;
-  for (int t = t0; t < t1;) {
-    const int off = t % block_size, run = block_size - off < t1 - t ? block_size - off : t1 - t;
-    const int64_t first = ((int64_t)table[t / block_size] * block_size + off) * token_stride;
-    const int64_t words = (int64_t)run * token_stride / 4;  // uint64 words
-    const uint64_t* k = (const uint64_t*)(k_cache + first);
-    const uint64_t* v = (const uint64_t*)(v_cache + first);
-    for (int64_t w = 0; w < words; w += 8) sink ^= k[w] ^ v[w];
-    t += run;
-  }
-  __asm__ volatile("" : : "r"(sink));
-}
-
 // The segments' parts of one (sequence, KV head) rescaled to their common max and summed, into bfloat16 rows.
 static void merge_segments(uint16_t* restrict out, const float* restrict parts, int num_segments, int group,
                            int num_heads, int64_t seq, int kv_head) {
@@ -295,7 +267,7 @@ int kvt_paged_decode_bf16(
       while (first[seq + 1] <= piece) ++seq;  // few sequences: a scan is as good as a search
       const int t0 = (int)(piece - first[seq]) * SEGMENT;
       const int t1 = t0 + SEGMENT < context_lens[seq] ? t0 + SEGMENT : context_lens[seq];
-      touch_segment(k_cache, v_cache, block_tables + seq * max_blocks, t0, t1, block_size,
+      touch_tokens(k_cache, v_cache, block_tables + seq * max_blocks, t0, t1, block_size,
                     (int64_t)num_kv_heads * HEAD_DIM);
       for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head) {
         if (scratch == NULL)

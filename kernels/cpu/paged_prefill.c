@@ -29,6 +29,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+#include "touch_tokens.h"
+
 #if !defined(__AVX512BF16__)
 #error "the prefill attention kernel needs AVX512-BF16"
 #endif
@@ -42,13 +45,6 @@
 #define MAX_GROUP 16   // query heads per KV head
 #define SEGMENT 256    // keys an item takes when a run's items are few (a multiple of KEYS)
 #define PART (2 + HEAD_DIM)  // a row's max, sum and unscaled output over one segment
-
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even (no NaN reaches here)
-  return (uint16_t)(u >> 16);
-}
 
 struct item_state {
   _Alignas(64) uint16_t q[ROWS][HEAD_DIM];   // the item's query rows
@@ -111,24 +107,6 @@ static inline __m512 softmax_step(struct item_state* st, int r, int seen, float 
   st->max[r] = m;
   _mm512_store_ps(st->sum[r], _mm512_fmadd_ps(_mm512_load_ps(st->sum[r]), rescale, probs));
   return rescale;
-}
-
-// Reads the keys and values of the tokens [k0, k1), every KV head's, once: a load per cache line with nothing
-// depending on it, so the core keeps many lines in flight (a page holds a token's heads side by side: read
-// front to back); the passes then find them in L2.
-static void touch_keys(const uint16_t* restrict k_cache, const uint16_t* restrict v_cache,
-                       const int32_t* restrict table, int k0, int k1, int block_size, int64_t token_stride) {
-  uint64_t sink = 0;
-  for (int t = k0; t < k1;) {
-    const int off = t % block_size, run = block_size - off < k1 - t ? block_size - off : k1 - t;
-    const int64_t first = ((int64_t)table[t / block_size] * block_size + off) * token_stride;
-    const int64_t words = (int64_t)run * token_stride / 4;  // uint64 words
-    const uint64_t* k = (const uint64_t*)(k_cache + first);
-    const uint64_t* v = (const uint64_t*)(v_cache + first);
-    for (int64_t w = 0; w < words; w += 8) sink ^= k[w] ^ v[w];
-    t += run;
-  }
-  __asm__ volatile("" : : "r"(sink));
 }
 
 // One (KV head, block of query tokens) over the keys [k_lo, k_hi): rows r = token * group + head-in-group.
@@ -293,7 +271,7 @@ int kvt_paged_prefill_bf16(uint16_t* restrict out, int64_t out_stride, const uin
         const int segment = item % segments;
         const int k_lo = segment * SEGMENT;
         const int k_hi = k_lo + SEGMENT < keys_seen ? k_lo + SEGMENT : keys_seen;
-        if (k_hi > k_lo) touch_keys(k_cache, v_cache, table, k_lo, k_hi, block_size, token_stride);
+        if (k_hi > k_lo) touch_tokens(k_cache, v_cache, table, k_lo, k_hi, block_size, token_stride);
         for (int kv_head = 0; kv_head < num_kv_heads; ++kv_head)  // its parts: (block, KV head, segment)
           attend(out, out_stride, q, q_stride, k_cache, v_cache, table, ctx, q_len, t0, t1, kv_head, group,
                  num_kv_heads, block_size, scale, k_lo, k_hi > k_lo ? k_hi : k_lo,

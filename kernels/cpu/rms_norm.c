@@ -10,12 +10,7 @@
 #include <stdint.h>
 #include <string.h>
 
-static inline uint16_t f32_to_bf16(float f) {
-  uint32_t u;
-  memcpy(&u, &f, sizeof u);
-  u += 0x7fffu + ((u >> 16) & 1u);  // round to nearest, ties to even (no NaN reaches here)
-  return (uint16_t)(u >> 16);
-}
+#include "bf16.h"
 
 // out [n, hidden] bfloat16 (row stride out_stride) = x [n, hidden] float32 (row stride x_stride) / rms(x) * w.
 void kvt_rms_norm_bf16(uint16_t* restrict out, int64_t out_stride, const float* restrict x, int64_t x_stride,
