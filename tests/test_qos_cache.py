@@ -143,7 +143,7 @@ class QosPoolMachine(RuleBasedStateMachine):
         if reuse:
             self.kv.adopt_prefix(seq, self.kv.find_prefix(ROOT, tokens), high=high)
         pool = self.kv.pool
-        table = self.kv._tables.get(seq)
+        table = self.kv.tables.get(seq)
         alloc = self.kv.allocate_slots(seq, len(tokens) - (table.num_tokens if table else 0), high)
         if alloc is None:
             self.kv.free(seq)

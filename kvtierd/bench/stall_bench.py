@@ -277,7 +277,7 @@ async def _measure_loads(socket: Path, w: StallWorkload, name: str, warm: list[i
         quiet_since = time.perf_counter() + SETTLE_S
         await asyncio.sleep(SETTLE_S + max(1.0, QUIET_SPELL_X * longest))
         loads, hits, recomputes, infos, hit_infos = [], [], [], [], []
-        windows, hit_windows, fresh_windows = [], [], []
+        windows, hit_windows, fresh_windows, spells = [], [], [], []
         for prompt, other in zip(prompts, fresh, strict=True):
             t_send = time.perf_counter()
             ttft_load, info = await _completion(client, prompt)
@@ -291,6 +291,7 @@ async def _measure_loads(socket: Path, w: StallWorkload, name: str, warm: list[i
             ttft_recompute, _ = await _completion(client, other)
             fresh_windows.append((t_fresh, t_fresh + ttft_recompute))
             windows.append((max(quiet_since, t_send - ttft_load), t_send, t_send + ttft_load))
+            spells.append((t_send - quiet_since) * 1e3)
             loads.append(ttft_load * 1e3)
             hits.append(ttft_hit * 1e3)
             recomputes.append(ttft_recompute * 1e3)
@@ -317,6 +318,9 @@ async def _measure_loads(socket: Path, w: StallWorkload, name: str, warm: list[i
             "baseline_window_ms": statistics.median((send - base) * 1e3 for base, send, _ in windows),
             "window_all_ms": [(end - send) * 1e3 for _, send, end in windows],
             "baseline_window_all_ms": [(send - base) * 1e3 for base, send, _ in windows],
+            # The quiet spell before each load: its window without it is cut to the spell when the load ran past
+            # QUIET_SPELL_X times the longest before it.
+            "quiet_spell_all_ms": spells,
             "ttft_warm_load_ms": ttft_warm * 1e3,
             # Each load window's largest gap, and its window's without: where a pooled p99 comes from.
             "with_load_max_all_ms": [max(log.gaps_ms(send, end), default=None) for _, send, end in windows],

@@ -617,6 +617,11 @@ def bench_stall(
                f"in the window over without; hit: the same prompt sent again, its pages on the device (the long "
                f"context with nothing to transfer); recompute: a fresh prompt of its length. Targets: ITL p99 <= "
                f"{t['itl_p99_x']:g}x without; slow / stopped Redis: TTFT load <= recompute")
+    for r in f["scenarios"]:
+        cut = sum(q < w for q, w in zip(r["quiet_spell_all_ms"], r["window_all_ms"], strict=True))
+        if cut:
+            typer.echo(f"{r['scenario']}: {cut} load(s) ran past the quiet spell before them: their window without "
+                       f"is that spell, shorter than their own")
     by_name = {r["scenario"]: r for r in f["scenarios"]}
     if "disk" in by_name:  # its fresh prompts pay no remote tier: recomputing as a daemon without the fleet does
         ref = by_name["disk"]["ttft_recompute_ms"]
