@@ -1,7 +1,7 @@
 """Pinning prefixes and sessions on the device or in a lower tier: what a pin request becomes.
 
 A device pin holds pages (`cache/pins.py`); a pin in the host or disk tier
-holds the chain's chunks there (`TierManager.pin`, under a budget of its own)
+holds the chain's chunks there (`TierPins.pin`, `tiers/tier_pins.py`, under a budget of its own)
 and no device page. A pinned session's pin follows it from turn to turn
 (`follow_session`, after each turn is kept) and its pool never expires.
 """

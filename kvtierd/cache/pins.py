@@ -2,7 +2,7 @@
 
 A pin names its tier. On the device (the default) it holds pages, as below;
 on the host or disk tier it holds the chain's chunks there (the tier manager
-keeps them out of its LRU, under a budget of its own: `TierManager.pin`), and
+keeps them out of its LRU, under a budget of its own: `TierPins.pin`, `tiers/tier_pins.py`), and
 no device page.
 
 A pin holds every page of its chain from the first one (pinning only a tail
