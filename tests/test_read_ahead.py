@@ -1,6 +1,7 @@
-"""Values of a remote request's next chunks read ahead of their loads: in one call, each taken once, dropped
-ones never read; and through a Redis that answers late, a request's later chunks are asked for beside its
-loads' own calls (a proxy the test holds counts them), with the same output and each value read once."""
+"""Values of a remote request's next chunks read ahead of their loads: in one call (or, spaced, one a call),
+each taken once, dropped ones never read; and through a Redis that answers late, a request's later chunks are
+asked for beside its loads' own calls (a proxy the test holds counts them), with the same output and each value
+read once."""
 
 from __future__ import annotations
 
@@ -70,6 +71,20 @@ def test_a_call_whose_values_are_all_dropped_never_starts_and_the_limit_holds():
     assert ahead.take(b"x").read() == b"X"
     ahead.close()
     assert server.calls == [[b"x"]]
+
+
+def test_spaced_values_go_in_a_call_each_and_one_dropped_before_its_turn_is_never_asked_for():
+    server = Server()
+    server.gate.set()
+    ahead = ReadAhead(server)
+    ahead.start([b"a", b"b", b"c"], spacing_s=0.01)
+    assert [ahead.take(k).read() for k in (b"a", b"b", b"c")] == [b"A", b"B", b"C"]
+    assert sorted(server.calls) == [[b"a"], [b"b"], [b"c"]]
+    ahead.start([b"x", b"y"], spacing_s=3600)  # y's turn comes in an hour
+    assert ahead.take(b"x").read() == b"X"
+    ahead.drop([b"y"])
+    ahead.close()  # wakes y's call, which nobody wants: it is not sent
+    assert [b"y"] not in server.calls and len(server.calls) == 4
 
 
 @pytest.fixture

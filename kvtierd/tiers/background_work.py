@@ -207,6 +207,11 @@ class BackgroundWork:
         return until is not False and self._yields(until, time.monotonic())
 
     @property
+    def computing(self) -> bool:
+        """An engine has running requests: their steps are what background work must not stall."""
+        return self._engines_computing > 0
+
+    @property
     def wants_lend(self) -> bool:
         """Paced tasks are queued or asking for a slice while an engine computes: a `lend` would run them."""
         return bool((self._paced_queued or self._paced_asking) and self._engines_computing)

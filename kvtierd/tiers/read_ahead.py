@@ -15,6 +15,14 @@ the socket in one burst beside the streams' steps. The remote tier reads ahead
 only when its round trips are slow (remote_backend.py); a fast one's loads
 read as they go.
 
+A server executes a call's GETs at once, and a Redis on this host does that
+on the engine's cores: it copies each value into its reply buffer (a
+bundled-model chunk's GET took redis-server ~7 ms of a core; eight in one
+call, 53-65 ms, whatever the client's receive window: a probe). So while an
+engine computes, the values are asked for with `spacing_s` between them, each
+in a call of its own, and the server's work comes a value at a time, as the
+paced loads take them, not in one burst under a few steps.
+
 At most `limit` values are held or on their way; a request that ends before
 its loads took them drops them (`drop`): a call none of whose values is
 wanted any more does not start, or gives its connection back.
@@ -23,6 +31,7 @@ wanted any more does not start, or gives its connection back.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -30,8 +39,10 @@ from dataclasses import dataclass
 from kvtierd.storage.redis_gets import SentGets
 from kvtierd.tiers.background_work import init_worker_thread
 
-READ_AHEAD_THREADS = 2  # calls on their way at once: two requests' reads do not queue behind each other
 MAX_READ_AHEAD = 16  # values held or on their way, at most (a bundled-model chunk: 12 MB)
+# Calls on their way at once: one a value, when spaced, so no call waits for a thread while another waits for the
+# server, and two requests' reads do not queue behind each other.
+READ_AHEAD_THREADS = MAX_READ_AHEAD
 
 # The GETs of these keys sent in one call, its round trip waited for; None when the call failed.
 SendGets = Callable[[Sequence[bytes]], "SentGets | None"]
@@ -72,18 +83,34 @@ class ReadAhead:
         self._lock = threading.Lock()
         self._ahead: dict[bytes, AheadValue] = {}
         self._on_its_way: dict[Future, _OnItsWay] = {}
+        self._closed = threading.Event()  # wakes the calls waiting for their time
 
-    def start(self, keys: Iterable[bytes]) -> None:
-        """Reads these keys' values in one call, but those already on their way and those past the limit."""
+    def start(self, keys: Iterable[bytes], spacing_s: float = 0.0) -> None:
+        """Reads these keys' values, but those already on their way and those past the limit: in one call, or,
+        with `spacing_s`, each in a call of its own, sent `spacing_s` after the one before."""
         with self._lock:
             new = list(dict.fromkeys(k for k in keys if k not in self._ahead))[: self._limit - len(self._ahead)]
-            if not new:
-                return
-            call = self._pool.submit(self._send_gets, new)
-            self._on_its_way[call] = _OnItsWay(len(new), [])
-            for i, key in enumerate(new):
-                self._ahead[key] = AheadValue(call, i)
-        call.add_done_callback(self._arrived)
+            groups = [[key] for key in new] if spacing_s > 0 else [new] if new else []
+            now = time.monotonic()
+            calls = []
+            for j, group in enumerate(groups):
+                way = _OnItsWay(len(group), [])
+                call = self._pool.submit(self._send_at, now + j * spacing_s, group, way)
+                self._on_its_way[call] = way
+                for i, key in enumerate(group):
+                    self._ahead[key] = AheadValue(call, i)
+                calls.append(call)
+        for call in calls:
+            call.add_done_callback(self._arrived)
+
+    def _send_at(self, when: float, keys: list[bytes], way: _OnItsWay) -> SentGets | None:
+        """Sends the call at `when`, unless nobody wants its values by then (or the read-ahead closed)."""
+        if self._closed.wait(max(0.0, when - time.monotonic())):
+            return None
+        with self._lock:
+            if len(way.dropped) == way.size:
+                return None
+        return self._send_gets(keys)
 
     def take(self, key: bytes) -> AheadValue | None:
         """The value of `key` read ahead (no longer held here: its taker reads it); None when none was."""
@@ -120,6 +147,7 @@ class ReadAhead:
 
     def close(self) -> None:
         self.clear()
+        self._closed.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
 
     def _arrived(self, call: Future) -> None:
