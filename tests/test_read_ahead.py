@@ -73,7 +73,7 @@ def test_a_call_whose_values_are_all_dropped_never_starts_and_the_limit_holds():
     assert server.calls == [[b"x"]]
 
 
-def test_spaced_values_go_in_a_call_each_and_one_dropped_before_its_turn_is_never_asked_for():
+def test_spaced_values_go_in_a_call_each_and_one_whose_turn_has_not_come_is_never_sent():
     server = Server()
     server.gate.set()
     ahead = ReadAhead(server)
@@ -83,7 +83,7 @@ def test_spaced_values_go_in_a_call_each_and_one_dropped_before_its_turn_is_neve
     ahead.start([b"x", b"y"], spacing_s=3600)  # y's turn comes in an hour
     assert ahead.take(b"x").read() == b"X"
     ahead.drop([b"y"])
-    ahead.close()  # wakes y's call, which nobody wants: it is not sent
+    ahead.close()  # wakes y's call: it is not sent
     assert [b"y"] not in server.calls and len(server.calls) == 4
 
 
